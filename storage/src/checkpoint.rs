@@ -29,7 +29,11 @@ pub enum TensorRole {
     /// dense MLPs, lm_head.
     Resident,
     /// One routed expert's own tensor (`...mlp.experts.E.gate_proj.weight`).
-    Expert { layer: u32, expert: u32, part: String },
+    Expert {
+        layer: u32,
+        expert: u32,
+        part: String,
+    },
     /// A per-layer tensor holding every routed expert along its first dimension
     /// (`...mlp.experts.gate_up_proj`).
     FusedExperts { layer: u32, part: String },
@@ -37,18 +41,33 @@ pub enum TensorRole {
 
 /// Classify a tensor by its Hugging Face name.
 pub fn tensor_role(name: &str) -> TensorRole {
-    let Some(rest) = name.strip_prefix("model.layers.") else { return TensorRole::Resident };
-    let Some((layer, rest)) = rest.split_once('.') else { return TensorRole::Resident };
-    let Ok(layer) = layer.parse::<u32>() else { return TensorRole::Resident };
-    let Some(rest) = rest.strip_prefix("mlp.experts.") else { return TensorRole::Resident };
+    let Some(rest) = name.strip_prefix("model.layers.") else {
+        return TensorRole::Resident;
+    };
+    let Some((layer, rest)) = rest.split_once('.') else {
+        return TensorRole::Resident;
+    };
+    let Ok(layer) = layer.parse::<u32>() else {
+        return TensorRole::Resident;
+    };
+    let Some(rest) = rest.strip_prefix("mlp.experts.") else {
+        return TensorRole::Resident;
+    };
     match rest.split_once('.') {
         Some((e, part)) if e.bytes().all(|b| b.is_ascii_digit()) && !e.is_empty() => {
             match e.parse::<u32>() {
-                Ok(expert) => TensorRole::Expert { layer, expert, part: part.to_string() },
+                Ok(expert) => TensorRole::Expert {
+                    layer,
+                    expert,
+                    part: part.to_string(),
+                },
                 Err(_) => TensorRole::Resident,
             }
         }
-        _ => TensorRole::FusedExperts { layer, part: rest.to_string() },
+        _ => TensorRole::FusedExperts {
+            layer,
+            part: rest.to_string(),
+        },
     }
 }
 
@@ -117,7 +136,15 @@ impl Checkpoint {
             }
             maps.push(map);
         }
-        let ckpt = Checkpoint { dir: dir.to_path_buf(), config, model_type, files, tensors, by_name, maps };
+        let ckpt = Checkpoint {
+            dir: dir.to_path_buf(),
+            config,
+            model_type,
+            files,
+            tensors,
+            by_name,
+            maps,
+        };
         ckpt.check_index()?;
         Ok(ckpt)
     }
@@ -174,7 +201,9 @@ impl Checkpoint {
 
     /// Resident tensors, in file order.
     pub fn resident(&self) -> impl Iterator<Item = &CheckpointTensor> {
-        self.tensors.iter().filter(|t| tensor_role(&t.info.name) == TensorRole::Resident)
+        self.tensors
+            .iter()
+            .filter(|t| tensor_role(&t.info.name) == TensorRole::Resident)
     }
 
     /// Every routed expert, sorted by (layer, expert), each with its parts sorted by name.
@@ -184,7 +213,11 @@ impl Checkpoint {
         for t in &self.tensors {
             match tensor_role(&t.info.name) {
                 TensorRole::Resident => {}
-                TensorRole::Expert { layer, expert, part } => {
+                TensorRole::Expert {
+                    layer,
+                    expert,
+                    part,
+                } => {
                     map.entry((layer, expert)).or_default().push(ExpertPart {
                         part,
                         dtype: t.info.dtype.clone(),
@@ -196,10 +229,13 @@ impl Checkpoint {
                     });
                 }
                 TensorRole::FusedExperts { layer, part } => {
-                    let n = self.n_routed_experts().ok_or_else(|| StorageError::Config {
-                        path: self.dir.join("config.json"),
-                        reason: "fused expert tensors need n_routed_experts or num_experts".into(),
-                    })?;
+                    let n = self
+                        .n_routed_experts()
+                        .ok_or_else(|| StorageError::Config {
+                            path: self.dir.join("config.json"),
+                            reason: "fused expert tensors need n_routed_experts or num_experts"
+                                .into(),
+                        })?;
                     let bad = |reason: String| StorageError::Tensor {
                         path: self.files[t.file].clone(),
                         tensor: t.info.name.clone(),
@@ -212,7 +248,10 @@ impl Checkpoint {
                         )));
                     }
                     if t.info.len % n != 0 {
-                        return Err(bad(format!("{} bytes do not split into {n} experts", t.info.len)));
+                        return Err(bad(format!(
+                            "{} bytes do not split into {n} experts",
+                            t.info.len
+                        )));
                     }
                     let slice = t.info.len / n;
                     for e in 0..n {
@@ -233,7 +272,11 @@ impl Checkpoint {
             .into_iter()
             .map(|((layer, expert), mut parts)| {
                 parts.sort_by(|a, b| a.part.cmp(&b.part));
-                ExpertSource { layer, expert, parts }
+                ExpertSource {
+                    layer,
+                    expert,
+                    parts,
+                }
             })
             .collect();
         // Within a layer every expert must carry the same parts with the same shapes.
@@ -244,12 +287,16 @@ impl Checkpoint {
             while i < out.len() && out[i].layer == layer {
                 let (a, b) = (&out[first], &out[i]);
                 let same = a.parts.len() == b.parts.len()
-                    && a.parts.iter().zip(&b.parts).all(|(x, y)| {
-                        x.part == y.part && x.dtype == y.dtype && x.shape == y.shape
-                    });
+                    && a.parts
+                        .iter()
+                        .zip(&b.parts)
+                        .all(|(x, y)| x.part == y.part && x.dtype == y.dtype && x.shape == y.shape);
                 if !same {
                     let names = |s: &ExpertSource| {
-                        s.parts.iter().map(|p| format!("{} {} {:?}", p.part, p.dtype, p.shape)).collect::<Vec<_>>()
+                        s.parts
+                            .iter()
+                            .map(|p| format!("{} {} {:?}", p.part, p.dtype, p.shape))
+                            .collect::<Vec<_>>()
                     };
                     return Err(StorageError::Tensor {
                         path: self.dir.clone(),
@@ -272,17 +319,28 @@ impl Checkpoint {
 /// Read and parse `config.json` as a JSON object.
 pub fn read_config(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read(path).map_err(|e| StorageError::io(path, "read", e))?;
-    let value: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| StorageError::Config { path: path.to_path_buf(), reason: format!("not valid JSON: {e}") })?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| StorageError::Config {
+            path: path.to_path_buf(),
+            reason: format!("not valid JSON: {e}"),
+        })?;
     if !value.is_object() {
-        return Err(StorageError::Config { path: path.to_path_buf(), reason: "not a JSON object".into() });
+        return Err(StorageError::Config {
+            path: path.to_path_buf(),
+            reason: "not a JSON object".into(),
+        });
     }
     Ok(value)
 }
 
 /// The config's `model_type`, if it is one we support.
 pub fn check_model_type(path: &Path, config: &serde_json::Value) -> Result<String> {
-    let supported = || SUPPORTED_MODEL_TYPES.iter().map(|s| s.to_string()).collect();
+    let supported = || {
+        SUPPORTED_MODEL_TYPES
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+    };
     match config.get("model_type").and_then(|v| v.as_str()) {
         Some(t) if SUPPORTED_MODEL_TYPES.contains(&t) => Ok(t.to_string()),
         Some(t) => Err(StorageError::UnsupportedModelType {
@@ -302,18 +360,26 @@ pub fn check_model_type(path: &Path, config: &serde_json::Value) -> Result<Strin
 
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     let text = std::fs::read(path).map_err(|e| StorageError::io(path, "read", e))?;
-    let value: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| StorageError::Config { path: path.to_path_buf(), reason: format!("not valid JSON: {e}") })?;
-    let map = value.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| StorageError::Config {
-        path: path.to_path_buf(),
-        reason: "missing object `weight_map`".into(),
-    })?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| StorageError::Config {
+            path: path.to_path_buf(),
+            reason: format!("not valid JSON: {e}"),
+        })?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| StorageError::Config {
+            path: path.to_path_buf(),
+            reason: "missing object `weight_map`".into(),
+        })?;
     map.iter()
         .map(|(k, v)| {
-            v.as_str().map(|f| (k.clone(), f.to_string())).ok_or_else(|| StorageError::Config {
-                path: path.to_path_buf(),
-                reason: format!("weight_map[{k}] is not a file name"),
-            })
+            v.as_str()
+                .map(|f| (k.clone(), f.to_string()))
+                .ok_or_else(|| StorageError::Config {
+                    path: path.to_path_buf(),
+                    reason: format!("weight_map[{k}] is not a file name"),
+                })
         })
         .collect()
 }
@@ -356,7 +422,11 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     for f in &files {
         if !f.exists() {
-            return Err(StorageError::io(f, "open", std::io::Error::from(std::io::ErrorKind::NotFound)));
+            return Err(StorageError::io(
+                f,
+                "open",
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            ));
         }
     }
     Ok(files)
@@ -368,16 +438,32 @@ mod tests {
 
     #[test]
     fn roles() {
-        assert_eq!(tensor_role("model.embed_tokens.weight"), TensorRole::Resident);
-        assert_eq!(tensor_role("model.layers.3.mlp.gate.weight"), TensorRole::Resident);
-        assert_eq!(tensor_role("model.layers.3.mlp.shared_experts.up_proj.weight"), TensorRole::Resident);
+        assert_eq!(
+            tensor_role("model.embed_tokens.weight"),
+            TensorRole::Resident
+        );
+        assert_eq!(
+            tensor_role("model.layers.3.mlp.gate.weight"),
+            TensorRole::Resident
+        );
+        assert_eq!(
+            tensor_role("model.layers.3.mlp.shared_experts.up_proj.weight"),
+            TensorRole::Resident
+        );
         assert_eq!(
             tensor_role("model.layers.3.mlp.experts.12.down_proj.weight_scale_inv"),
-            TensorRole::Expert { layer: 3, expert: 12, part: "down_proj.weight_scale_inv".into() }
+            TensorRole::Expert {
+                layer: 3,
+                expert: 12,
+                part: "down_proj.weight_scale_inv".into()
+            }
         );
         assert_eq!(
             tensor_role("model.layers.7.mlp.experts.gate_up_proj"),
-            TensorRole::FusedExperts { layer: 7, part: "gate_up_proj".into() }
+            TensorRole::FusedExperts {
+                layer: 7,
+                part: "gate_up_proj".into()
+            }
         );
         assert_eq!(tensor_role("lm_head.weight"), TensorRole::Resident);
     }

@@ -18,30 +18,56 @@ pub enum SafetensorsError {
     #[error(
         "tensor `{tensor}`: {dtype} {shape:?} needs {expected} bytes but data_offsets span {got}"
     )]
-    LengthMismatch { tensor: String, dtype: String, shape: Vec<u64>, expected: u64, got: u64 },
+    LengthMismatch {
+        tensor: String,
+        dtype: String,
+        shape: Vec<u64>,
+        expected: u64,
+        got: u64,
+    },
     #[error("tensor `{tensor}` at offset {offset} overlaps the previous tensor")]
     Overlap { tensor: String, offset: u64 },
     #[error("tensor `{tensor}` spans bytes {offset}..{end} but the file ends at {file_len} (truncated?)")]
-    Truncated { tensor: String, offset: u64, end: u64, file_len: u64 },
+    Truncated {
+        tensor: String,
+        offset: u64,
+        end: u64,
+        file_len: u64,
+    },
 }
 
 /// Every error the storage crate returns.
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
     #[error("{path}: {op}: {source}")]
-    Io { path: PathBuf, op: &'static str, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
 
     #[error("{path}: {source}")]
-    Safetensors { path: PathBuf, source: SafetensorsError },
+    Safetensors {
+        path: PathBuf,
+        source: SafetensorsError,
+    },
 
     #[error("{path}: {reason}")]
     Config { path: PathBuf, reason: String },
 
     #[error("{path}: model_type `{got}` is not supported; supported: {}", supported.join(", "))]
-    UnsupportedModelType { path: PathBuf, got: String, supported: Vec<String> },
+    UnsupportedModelType {
+        path: PathBuf,
+        got: String,
+        supported: Vec<String>,
+    },
 
     #[error("{path}: tensor `{tensor}`: {reason}")]
-    Tensor { path: PathBuf, tensor: String, reason: String },
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        reason: String,
+    },
 
     #[error("manifest {path}: {reason}")]
     Manifest { path: PathBuf, reason: String },
@@ -50,28 +76,66 @@ pub enum StorageError {
         "manifest {path} has format version {found}; this build reads versions up to {supported} \
          (upgrade deltafin or lay the model out again)"
     )]
-    ManifestVersion { path: PathBuf, found: u32, supported: u32 },
+    ManifestVersion {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
 
     #[error("a layout already exists at {path}; pass --force to replace it")]
     LayoutExists { path: PathBuf },
 
     #[error("drive {drive} ({path}): needs {needed} bytes free, has {available}")]
-    InsufficientSpace { drive: usize, path: PathBuf, needed: u64, available: u64 },
+    InsufficientSpace {
+        drive: usize,
+        path: PathBuf,
+        needed: u64,
+        available: u64,
+    },
 
     #[error("drive {drive} ({path}) is missing or unreadable: {reason}")]
-    MissingDrive { drive: usize, path: PathBuf, reason: String },
+    MissingDrive {
+        drive: usize,
+        path: PathBuf,
+        reason: String,
+    },
 
     #[error("drive {drive} ({path}) holds layout drive id {found}, expected {expected}")]
-    DriveMismatch { drive: usize, path: PathBuf, expected: String, found: String },
+    DriveMismatch {
+        drive: usize,
+        path: PathBuf,
+        expected: String,
+        found: String,
+    },
 
     #[error("drive {drive} {path} offset {offset}: read of {len} bytes failed: {source}")]
-    Read { drive: usize, path: PathBuf, offset: u64, len: u64, source: std::io::Error },
+    Read {
+        drive: usize,
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+        source: std::io::Error,
+    },
 
-    #[error("drive {drive} {path} offset {offset}: file ends after {got} of {len} bytes (truncated?)")]
-    ShortRead { drive: usize, path: PathBuf, offset: u64, len: u64, got: u64 },
+    #[error(
+        "drive {drive} {path} offset {offset}: file ends after {got} of {len} bytes (truncated?)"
+    )]
+    ShortRead {
+        drive: usize,
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+        got: u64,
+    },
 
     #[error("{what}: blake3 mismatch (drive {drive}, {path}, offset {offset}, {len} bytes)")]
-    HashMismatch { what: String, drive: usize, path: PathBuf, offset: u64, len: u64 },
+    HashMismatch {
+        what: String,
+        drive: usize,
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+    },
 
     #[error("a buffer of {requested} bytes can never fit the pool's {cap}-byte cap")]
     BufferTooLarge { requested: u64, cap: u64 },
@@ -91,7 +155,11 @@ pub enum StorageError {
 
 impl StorageError {
     pub fn io(path: &Path, op: &'static str, source: std::io::Error) -> Self {
-        StorageError::Io { path: path.to_path_buf(), op, source }
+        StorageError::Io {
+            path: path.to_path_buf(),
+            op,
+            source,
+        }
     }
 }
 

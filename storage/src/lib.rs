@@ -3,9 +3,25 @@
 //!
 //! - [`safetensors`]: parse untrusted safetensors headers, write new files.
 //! - [`checkpoint`]: a Hugging Face model directory and its resident/expert split.
+//! - [`synth`]: synthetic checkpoints in the real on-disk format.
+//! - [`stripe`]: where logical bytes live on the drives (replicate / stripe).
+//! - [`manifest`]: the versioned layout manifest.
+//! - [`layout`]: writing a layout; opening one from any drive.
+//! - [`buffer`]: aligned buffers and a capped pool.
+//! - [`backend`]: the swappable I/O backend (real O_DIRECT files, fault injection).
+//! - [`engine`]: per-drive `pread` workers, priority lanes, completion handles.
+//! - [`verify`]: check every byte of a layout.
 
+pub mod backend;
+pub mod buffer;
 pub mod checkpoint;
+pub mod engine;
 pub mod error;
+pub mod layout;
+pub mod manifest;
 pub mod safetensors;
+pub mod stripe;
+pub mod synth;
+pub mod verify;
 
 pub use error::{Result, SafetensorsError, StorageError};

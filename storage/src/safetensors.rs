@@ -171,15 +171,23 @@ struct RawEntry {
 pub fn parse_prefix(prefix: &[u8; 8], file_len: Option<u64>) -> Result<u64, SafetensorsError> {
     let n = u64::from_le_bytes(*prefix);
     if n > MAX_HEADER_BYTES {
-        return Err(SafetensorsError::HeaderTooLarge { len: n, cap: MAX_HEADER_BYTES });
-    }
-    if let Some(file_len) = file_len {
-        let end = 8u64.checked_add(n).ok_or(SafetensorsError::HeaderTooLarge {
+        return Err(SafetensorsError::HeaderTooLarge {
             len: n,
             cap: MAX_HEADER_BYTES,
-        })?;
+        });
+    }
+    if let Some(file_len) = file_len {
+        let end = 8u64
+            .checked_add(n)
+            .ok_or(SafetensorsError::HeaderTooLarge {
+                len: n,
+                cap: MAX_HEADER_BYTES,
+            })?;
         if end > file_len {
-            return Err(SafetensorsError::HeaderPastEnd { header_len: n, file_len });
+            return Err(SafetensorsError::HeaderPastEnd {
+                header_len: n,
+                file_len,
+            });
         }
     }
     Ok(n)
@@ -189,7 +197,10 @@ pub fn parse_prefix(prefix: &[u8; 8], file_len: Option<u64>) -> Result<u64, Safe
 pub fn parse_header_json(json: &[u8], data_offset: u64) -> Result<Header, SafetensorsError> {
     let raw: serde_json::Map<String, serde_json::Value> =
         serde_json::from_slice(json).map_err(|e| SafetensorsError::Json(e.to_string()))?;
-    let mut header = Header { data_offset, ..Header::default() };
+    let mut header = Header {
+        data_offset,
+        ..Header::default()
+    };
     for (name, value) in raw {
         if name == "__metadata__" {
             let map: BTreeMap<String, String> = serde_json::from_value(value)
@@ -197,8 +208,11 @@ pub fn parse_header_json(json: &[u8], data_offset: u64) -> Result<Header, Safete
             header.metadata = map;
             continue;
         }
-        let entry: RawEntry = serde_json::from_value(value)
-            .map_err(|e| SafetensorsError::BadEntry { tensor: name.clone(), reason: e.to_string() })?;
+        let entry: RawEntry =
+            serde_json::from_value(value).map_err(|e| SafetensorsError::BadEntry {
+                tensor: name.clone(),
+                reason: e.to_string(),
+            })?;
         let [begin, end] = entry.data_offsets;
         if end < begin {
             return Err(SafetensorsError::BadEntry {
@@ -217,10 +231,12 @@ pub fn parse_header_json(json: &[u8], data_offset: u64) -> Result<Header, Safete
                 reason: format!("shape {:?} overflows", entry.shape),
             })?;
         if let Some(size) = dtype.size_bytes() {
-            let want = numel.checked_mul(size).ok_or_else(|| SafetensorsError::BadEntry {
-                tensor: name.clone(),
-                reason: format!("shape {:?} overflows", entry.shape),
-            })?;
+            let want = numel
+                .checked_mul(size)
+                .ok_or_else(|| SafetensorsError::BadEntry {
+                    tensor: name.clone(),
+                    reason: format!("shape {:?} overflows", entry.shape),
+                })?;
             if want != len {
                 return Err(SafetensorsError::LengthMismatch {
                     tensor: name,
@@ -231,18 +247,29 @@ pub fn parse_header_json(json: &[u8], data_offset: u64) -> Result<Header, Safete
                 });
             }
         }
-        let offset = data_offset.checked_add(begin).ok_or_else(|| SafetensorsError::BadEntry {
-            tensor: name.clone(),
-            reason: "offset overflows".into(),
-        })?;
-        header.tensors.push(TensorInfo { name, dtype, shape: entry.shape, offset, len });
+        let offset = data_offset
+            .checked_add(begin)
+            .ok_or_else(|| SafetensorsError::BadEntry {
+                tensor: name.clone(),
+                reason: "offset overflows".into(),
+            })?;
+        header.tensors.push(TensorInfo {
+            name,
+            dtype,
+            shape: entry.shape,
+            offset,
+            len,
+        });
     }
     header.tensors.sort_by_key(|t| (t.offset, t.len));
     // Tensors may not overlap; gaps are tolerated (some writers align tensors).
     let mut cursor = data_offset;
     for t in &header.tensors {
         if t.offset < cursor {
-            return Err(SafetensorsError::Overlap { tensor: t.name.clone(), offset: t.offset });
+            return Err(SafetensorsError::Overlap {
+                tensor: t.name.clone(),
+                offset: t.offset,
+            });
         }
         cursor = t.offset + t.len; // cannot overflow: offset+len <= data_offset + end, both u64-checked
     }
@@ -252,10 +279,13 @@ pub fn parse_header_json(json: &[u8], data_offset: u64) -> Result<Header, Safete
 
 /// Parse a whole in-memory file (header and data); checks every tensor lies within `bytes`.
 pub fn parse_bytes(bytes: &[u8]) -> Result<Header, SafetensorsError> {
-    let prefix: [u8; 8] = bytes
-        .get(..8)
-        .and_then(|p| p.try_into().ok())
-        .ok_or(SafetensorsError::TooShort { len: bytes.len() as u64 })?;
+    let prefix: [u8; 8] =
+        bytes
+            .get(..8)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(SafetensorsError::TooShort {
+                len: bytes.len() as u64,
+            })?;
     let n = parse_prefix(&prefix, Some(bytes.len() as u64))?;
     // n <= MAX_HEADER_BYTES and 8 + n <= bytes.len(), checked above.
     let json = &bytes[8..8 + n as usize];
@@ -282,17 +312,25 @@ pub fn check_within(header: &Header, file_len: u64) -> Result<(), SafetensorsErr
 
 /// Read and validate the header of a file on disk, including that the file holds all its data.
 pub fn read_header(path: &Path) -> Result<Header, StorageError> {
-    let wrap = |source| StorageError::Safetensors { path: path.to_path_buf(), source };
+    let wrap = |source| StorageError::Safetensors {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut file = File::open(path).map_err(|e| StorageError::io(path, "open", e))?;
-    let file_len = file.metadata().map_err(|e| StorageError::io(path, "stat", e))?.len();
+    let file_len = file
+        .metadata()
+        .map_err(|e| StorageError::io(path, "stat", e))?
+        .len();
     let mut prefix = [0u8; 8];
     if file_len < 8 {
         return Err(wrap(SafetensorsError::TooShort { len: file_len }));
     }
-    file.read_exact(&mut prefix).map_err(|e| StorageError::io(path, "read header", e))?;
+    file.read_exact(&mut prefix)
+        .map_err(|e| StorageError::io(path, "read header", e))?;
     let n = parse_prefix(&prefix, Some(file_len)).map_err(wrap)?;
     let mut json = vec![0u8; n as usize];
-    file.read_exact(&mut json).map_err(|e| StorageError::io(path, "read header", e))?;
+    file.read_exact(&mut json)
+        .map_err(|e| StorageError::io(path, "read header", e))?;
     let header = parse_header_json(&json, 8 + n).map_err(wrap)?;
     check_within(&header, file_len).map_err(wrap)?;
     Ok(header)
@@ -308,7 +346,11 @@ pub struct TensorSpec {
 
 impl TensorSpec {
     pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> Self {
-        TensorSpec { name: name.into(), dtype, shape: shape.to_vec() }
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        }
     }
 
     /// Byte length (opaque dtypes are not writable).
@@ -385,44 +427,85 @@ mod tests {
 
     #[test]
     fn rejects_lying_length() {
-        let mut bytes = file_with(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 8);
+        let mut bytes = file_with(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            8,
+        );
         bytes[0..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
-        assert!(matches!(parse_bytes(&bytes), Err(SafetensorsError::HeaderTooLarge { .. })));
+        assert!(matches!(
+            parse_bytes(&bytes),
+            Err(SafetensorsError::HeaderTooLarge { .. })
+        ));
         bytes[0..8].copy_from_slice(&1000u64.to_le_bytes());
-        assert!(matches!(parse_bytes(&bytes), Err(SafetensorsError::HeaderPastEnd { .. })));
+        assert!(matches!(
+            parse_bytes(&bytes),
+            Err(SafetensorsError::HeaderPastEnd { .. })
+        ));
     }
 
     #[test]
     fn rejects_bad_offsets() {
-        let b = file_with(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,12]}}"#, 12);
+        let b = file_with(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,12]}}"#,
+            12,
+        );
         match parse_bytes(&b) {
-            Err(SafetensorsError::LengthMismatch { tensor, expected: 8, got: 12, .. }) => {
+            Err(SafetensorsError::LengthMismatch {
+                tensor,
+                expected: 8,
+                got: 12,
+                ..
+            }) => {
                 assert_eq!(tensor, "a")
             }
             other => panic!("{other:?}"),
         }
-        let b = file_with(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 4);
-        assert!(matches!(parse_bytes(&b), Err(SafetensorsError::Truncated { .. })));
+        let b = file_with(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+            4,
+        );
+        assert!(matches!(
+            parse_bytes(&b),
+            Err(SafetensorsError::Truncated { .. })
+        ));
         let b = file_with(
             r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
             8,
         );
-        assert!(matches!(parse_bytes(&b), Err(SafetensorsError::Overlap { .. })));
+        assert!(matches!(
+            parse_bytes(&b),
+            Err(SafetensorsError::Overlap { .. })
+        ));
         let b = file_with(
             r#"{"a":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}}"#,
             8,
         );
-        assert!(matches!(parse_bytes(&b), Err(SafetensorsError::BadEntry { .. })));
-        let b = file_with(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#, 8);
-        assert!(matches!(parse_bytes(&b), Err(SafetensorsError::BadEntry { .. })));
-        assert!(matches!(parse_bytes(b"abc"), Err(SafetensorsError::TooShort { .. })));
+        assert!(matches!(
+            parse_bytes(&b),
+            Err(SafetensorsError::BadEntry { .. })
+        ));
+        let b = file_with(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#,
+            8,
+        );
+        assert!(matches!(
+            parse_bytes(&b),
+            Err(SafetensorsError::BadEntry { .. })
+        ));
+        assert!(matches!(
+            parse_bytes(b"abc"),
+            Err(SafetensorsError::TooShort { .. })
+        ));
         let b = file_with("{not json", 0);
         assert!(matches!(parse_bytes(&b), Err(SafetensorsError::Json(_))));
     }
 
     #[test]
     fn opaque_dtype_kept() {
-        let b = file_with(r#"{"a":{"dtype":"F4_WEIRD","shape":[3],"data_offsets":[0,2]}}"#, 2);
+        let b = file_with(
+            r#"{"a":{"dtype":"F4_WEIRD","shape":[3],"data_offsets":[0,2]}}"#,
+            2,
+        );
         let h = parse_bytes(&b).unwrap();
         assert_eq!(h.tensors[0].dtype, Dtype::Opaque("F4_WEIRD".into()));
         assert_eq!(h.tensors[0].len, 2);

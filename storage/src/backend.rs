@@ -1,0 +1,196 @@
+//! The swappable I/O backend: how a data file is opened and read at an offset.
+//!
+//! [`PosixBackend`] is the real one (O_DIRECT `pread`, falling back to buffered reads with
+//! `posix_fadvise(DONTNEED)` where the filesystem refuses O_DIRECT). [`FaultyBackend`] wraps
+//! any backend to inject short reads, I/O errors and latency in tests.
+
+use std::fmt::Debug;
+use std::io;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// An open data file.
+pub trait IoFile: Send + Sync + Debug {
+    /// Read up to `buf.len()` bytes at `offset`; may return fewer (short read) or 0 at EOF.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
+    /// True when reads bypass the page cache.
+    fn is_direct(&self) -> bool;
+}
+
+/// Opens data files.
+pub trait IoBackend: Send + Sync + Debug {
+    fn open(&self, path: &Path) -> io::Result<Arc<dyn IoFile>>;
+}
+
+/// Real files: O_DIRECT where the filesystem allows it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PosixBackend {
+    /// Skip O_DIRECT entirely (buffered reads, still dropping pages after use).
+    pub buffered: bool,
+}
+
+#[derive(Debug)]
+struct PosixFile {
+    file: std::fs::File,
+    direct: bool,
+}
+
+impl IoBackend for PosixBackend {
+    fn open(&self, path: &Path) -> io::Result<Arc<dyn IoFile>> {
+        use std::os::unix::fs::OpenOptionsExt;
+        if !self.buffered {
+            match std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+            {
+                Ok(file) => return Ok(Arc::new(PosixFile { file, direct: true })),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {} // e.g. tmpfs: fall back
+                Err(e) => return Err(e),
+            }
+        }
+        let file = std::fs::File::open(path)?;
+        Ok(Arc::new(PosixFile {
+            file,
+            direct: false,
+        }))
+    }
+}
+
+impl IoFile for PosixFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let off = libc::off_t::try_from(offset)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset past off_t"))?;
+        loop {
+            // SAFETY: buf is a valid writable region of buf.len() bytes for the call's duration.
+            let n = unsafe {
+                libc::pread(
+                    self.file.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    off,
+                )
+            };
+            if n >= 0 {
+                if !self.direct && n > 0 {
+                    // Buffered fallback: drop the pages so reads measure the drive, not RAM,
+                    // and the page cache does not grow past the RAM budget. Advisory only.
+                    // SAFETY: plain syscall on an fd we own.
+                    unsafe {
+                        libc::posix_fadvise(
+                            self.file.as_raw_fd(),
+                            off,
+                            n as libc::off_t,
+                            libc::POSIX_FADV_DONTNEED,
+                        );
+                    }
+                }
+                return Ok(n as usize);
+            }
+            let err = io::Error::last_os_error();
+            if err.kind() != io::ErrorKind::Interrupted {
+                return Err(err);
+            }
+        }
+    }
+
+    fn is_direct(&self) -> bool {
+        self.direct
+    }
+}
+
+/// One fault to inject.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// Reads of files whose path contains `path_contains` that cover `offset` fail with EIO.
+    Eio { path_contains: String, offset: u64 },
+    /// Every read returns at most half the bytes asked (at least 512), exercising retry loops.
+    ShortReads,
+    /// Every read sleeps this long first.
+    Latency(Duration),
+    /// Reads of matching files see this byte flipped (silent corruption).
+    FlipByte { path_contains: String, offset: u64 },
+}
+
+/// Wraps a backend and injects [`Fault`]s.
+#[derive(Debug)]
+pub struct FaultyBackend {
+    pub inner: Arc<dyn IoBackend>,
+    pub faults: Vec<Fault>,
+    /// How many reads hit an injected fault.
+    pub hits: Arc<AtomicU64>,
+}
+
+impl FaultyBackend {
+    pub fn new(inner: Arc<dyn IoBackend>, faults: Vec<Fault>) -> FaultyBackend {
+        FaultyBackend {
+            inner,
+            faults,
+            hits: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct FaultyFile {
+    inner: Arc<dyn IoFile>,
+    path: String,
+    faults: Vec<Fault>,
+    hits: Arc<AtomicU64>,
+}
+
+impl IoBackend for FaultyBackend {
+    fn open(&self, path: &Path) -> io::Result<Arc<dyn IoFile>> {
+        Ok(Arc::new(FaultyFile {
+            inner: self.inner.open(path)?,
+            path: path.display().to_string(),
+            faults: self.faults.clone(),
+            hits: self.hits.clone(),
+        }))
+    }
+}
+
+impl IoFile for FaultyFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let covers = |o: u64| o >= offset && o < offset + buf.len() as u64;
+        let mut limit = buf.len();
+        for f in &self.faults {
+            match f {
+                Fault::Eio {
+                    path_contains,
+                    offset: o,
+                } if self.path.contains(path_contains.as_str()) && covers(*o) => {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    return Err(io::Error::from_raw_os_error(libc::EIO));
+                }
+                Fault::ShortReads => limit = (buf.len() / 2).max(512).min(buf.len()),
+                Fault::Latency(d) => std::thread::sleep(*d),
+                _ => {}
+            }
+        }
+        let n = self.inner.read_at(&mut buf[..limit], offset)?;
+        for f in &self.faults {
+            if let Fault::FlipByte {
+                path_contains,
+                offset: o,
+            } = f
+            {
+                if self.path.contains(path_contains.as_str())
+                    && *o >= offset
+                    && *o < offset + n as u64
+                {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    buf[(*o - offset) as usize] ^= 0xff;
+                }
+            }
+        }
+        Ok(n)
+    }
+
+    fn is_direct(&self) -> bool {
+        self.inner.is_direct()
+    }
+}

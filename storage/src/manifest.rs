@@ -1,0 +1,429 @@
+//! The layout manifest: a versioned JSON file on every drive at `DRIVE/NAME/manifest.json`,
+//! written last and atomically, that says where every tensor and expert record lives.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, StorageError};
+use crate::safetensors::Dtype;
+use crate::stripe::{Mode, Placement};
+
+/// Format version this build writes and the newest it reads.
+pub const MANIFEST_VERSION: u32 = 1;
+/// Value of the `format` field.
+pub const MANIFEST_FORMAT: &str = "deltafin-layout";
+pub const MANIFEST_FILE: &str = "manifest.json";
+pub const DATA_FILE: &str = "data.bin";
+pub const UNIT_HASHES_FILE: &str = "units.blake3";
+/// Manifests larger than this are refused before parsing.
+pub const MAX_MANIFEST_BYTES: u64 = 1 << 30;
+
+/// What a record holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum RecordId {
+    /// Resident tensors of one group (`global` or `layer.N`).
+    Resident { group: String },
+    /// One routed expert.
+    Expert { layer: u32, expert: u32 },
+}
+
+impl std::fmt::Display for RecordId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecordId::Resident { group } => write!(f, "resident {group}"),
+            RecordId::Expert { layer, expert } => write!(f, "layer {layer} expert {expert}"),
+        }
+    }
+}
+
+/// One tensor inside a record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordTensor {
+    /// Full HF name for resident tensors; the part name (`gate_proj.weight`) for experts.
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    /// Byte offset within the record.
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A contiguous, 4 KiB-aligned run of the logical space.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordEntry {
+    pub id: RecordId,
+    /// Logical offset (multiple of 4096).
+    pub offset: u64,
+    /// Payload length (the record is padded with zeros to 4096 on disk).
+    pub len: u64,
+    /// blake3 of the `len` payload bytes, hex.
+    pub hash: String,
+    /// Tensors of resident records; expert records use their layer's template.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tensors: Vec<RecordTensor>,
+}
+
+/// The tensor layout shared by every expert record of one layer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExpertTemplate {
+    pub layer: u32,
+    pub len: u64,
+    pub tensors: Vec<RecordTensor>,
+}
+
+/// One drive of the layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriveEntry {
+    pub index: usize,
+    /// The layout folder on this drive (`DRIVE/NAME`) when laid out.
+    pub path: PathBuf,
+    /// Random identity written into this drive's manifest copy.
+    pub drive_id: String,
+    /// Length of this drive's `data.bin`.
+    pub data_len: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub name: String,
+    pub layout_id: String,
+    pub created_unix: u64,
+    pub mode: Mode,
+    pub stripe_unit: u64,
+    pub model_type: String,
+    /// The checkpoint's config.json, verbatim.
+    pub config: serde_json::Value,
+    pub drives: Vec<DriveEntry>,
+    /// Which drive this copy of the manifest sits on.
+    pub this_drive: usize,
+    pub logical_len: u64,
+    /// blake3 (hex) of `units.blake3`, the 32-byte hashes of every logical stripe unit in order.
+    pub unit_hashes_blake3: String,
+    pub records: Vec<RecordEntry>,
+    pub expert_templates: Vec<ExpertTemplate>,
+    /// Optional extra facts (source checkpoint path, quantization, tool version).
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
+}
+
+impl Manifest {
+    pub fn placement(&self) -> Placement {
+        Placement {
+            mode: self.mode,
+            drives: self.drives.len(),
+            unit: self.stripe_unit,
+        }
+    }
+
+    pub fn template(&self, layer: u32) -> Option<&ExpertTemplate> {
+        self.expert_templates.iter().find(|t| t.layer == layer)
+    }
+
+    /// Tensors of a record (its own list, or its layer's template).
+    pub fn record_tensors<'a>(&'a self, record: &'a RecordEntry) -> &'a [RecordTensor] {
+        match &record.id {
+            RecordId::Expert { layer, .. } => self
+                .template(*layer)
+                .map(|t| t.tensors.as_slice())
+                .unwrap_or(&[]),
+            RecordId::Resident { .. } => &record.tensors,
+        }
+    }
+
+    /// Parse and validate from bytes (untrusted).
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Manifest> {
+        let bad = |reason: String| StorageError::Manifest {
+            path: path.to_path_buf(),
+            reason,
+        };
+        // Look at the version first so a newer format gets the right message, not a parse error.
+        let value: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        match value.get("format").and_then(|v| v.as_str()) {
+            Some(MANIFEST_FORMAT) => {}
+            other => {
+                return Err(bad(format!(
+                    "format is {other:?}, expected {MANIFEST_FORMAT:?}"
+                )))
+            }
+        }
+        let version = value
+            .get("version")
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| bad("missing numeric `version`".into()))?;
+        if version > u64::from(MANIFEST_VERSION) {
+            return Err(StorageError::ManifestVersion {
+                path: path.to_path_buf(),
+                found: u32::try_from(version).unwrap_or(u32::MAX),
+                supported: MANIFEST_VERSION,
+            });
+        }
+        let m: Manifest = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+        m.validate(path)?;
+        Ok(m)
+    }
+
+    /// Structural checks: every number that will index a file or buffer is consistent.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |reason: String| StorageError::Manifest {
+            path: path.to_path_buf(),
+            reason,
+        };
+        Placement::new(self.mode, self.drives.len(), self.stripe_unit).map_err(bad)?;
+        if self.this_drive >= self.drives.len() {
+            return Err(bad(format!(
+                "this_drive {} but {} drives",
+                self.this_drive,
+                self.drives.len()
+            )));
+        }
+        for (i, d) in self.drives.iter().enumerate() {
+            if d.index != i {
+                return Err(bad(format!("drive entry {i} has index {}", d.index)));
+            }
+            let want = self.placement().drive_file_len(i, self.logical_len);
+            if d.data_len != want {
+                return Err(bad(format!(
+                    "drive {i} data_len {} but placement needs {want}",
+                    d.data_len
+                )));
+            }
+        }
+        let mut end = 0u64;
+        let mut seen = std::collections::HashSet::new();
+        for r in &self.records {
+            if r.offset % crate::stripe::ALIGN != 0 {
+                return Err(bad(format!(
+                    "{}: offset {} is not 4096-aligned",
+                    r.id, r.offset
+                )));
+            }
+            if r.offset < end {
+                return Err(bad(format!(
+                    "{}: offset {} overlaps the previous record",
+                    r.id, r.offset
+                )));
+            }
+            let r_end = r
+                .offset
+                .checked_add(r.len)
+                .ok_or_else(|| bad(format!("{}: length overflows", r.id)))?;
+            if r_end > self.logical_len {
+                return Err(bad(format!(
+                    "{}: ends at {r_end}, past logical_len {}",
+                    r.id, self.logical_len
+                )));
+            }
+            end = r_end;
+            if !seen.insert(&r.id) {
+                return Err(bad(format!("{} appears twice", r.id)));
+            }
+            if r.hash.len() != 64 || !r.hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(bad(format!("{}: hash is not 64 hex digits", r.id)));
+            }
+            let (tensors, want_len) = match &r.id {
+                RecordId::Expert { layer, .. } => {
+                    let t = self.template(*layer).ok_or_else(|| {
+                        bad(format!("{}: no expert template for layer {layer}", r.id))
+                    })?;
+                    (&t.tensors, Some(t.len))
+                }
+                RecordId::Resident { .. } => (&r.tensors, None),
+            };
+            if let Some(w) = want_len {
+                if w != r.len {
+                    return Err(bad(format!(
+                        "{}: len {} but its template says {w}",
+                        r.id, r.len
+                    )));
+                }
+            }
+            for t in tensors {
+                let t_end = t.offset.checked_add(t.len);
+                if t_end.is_none_or(|e| e > r.len) {
+                    return Err(bad(format!(
+                        "{}: tensor {} lies outside the record",
+                        r.id, t.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Read `PATH` (a manifest file or the layout folder holding one).
+    pub fn load(path: &Path) -> Result<Manifest> {
+        let file = manifest_path(path);
+        let meta = fs::metadata(&file).map_err(|e| StorageError::io(&file, "open manifest", e))?;
+        if meta.len() > MAX_MANIFEST_BYTES {
+            return Err(StorageError::Manifest {
+                path: file,
+                reason: format!(
+                    "{} bytes, over the {MAX_MANIFEST_BYTES}-byte cap",
+                    meta.len()
+                ),
+            });
+        }
+        let bytes = fs::read(&file).map_err(|e| StorageError::io(&file, "read manifest", e))?;
+        Manifest::from_bytes(&file, &bytes)
+    }
+
+    /// Write to `dir/manifest.json` via temp file, fsync, rename and directory fsync.
+    pub fn store(&self, dir: &Path) -> Result<()> {
+        let bytes = serde_json::to_vec_pretty(self).map_err(|e| StorageError::Manifest {
+            path: dir.join(MANIFEST_FILE),
+            reason: e.to_string(),
+        })?;
+        write_atomic(&dir.join(MANIFEST_FILE), &bytes)
+    }
+}
+
+/// `path` itself if it names a file, else `path/manifest.json`.
+pub fn manifest_path(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join(MANIFEST_FILE)
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// Replace `path` atomically with `bytes`: a reader sees the old file or the whole new one.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = path.with_extension("json.tmp");
+    let mut f = File::create(&tmp).map_err(|e| StorageError::io(&tmp, "create", e))?;
+    f.write_all(bytes)
+        .map_err(|e| StorageError::io(&tmp, "write", e))?;
+    f.sync_all()
+        .map_err(|e| StorageError::io(&tmp, "fsync", e))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(|e| StorageError::io(path, "rename", e))?;
+    sync_dir(dir)
+}
+
+/// fsync a directory so a rename or unlink in it is durable.
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    let d = File::open(dir).map_err(|e| StorageError::io(dir, "open dir", e))?;
+    d.sync_all()
+        .map_err(|e| StorageError::io(dir, "fsync dir", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Manifest {
+        let h = "ab".repeat(32);
+        Manifest {
+            format: MANIFEST_FORMAT.into(),
+            version: MANIFEST_VERSION,
+            name: "m".into(),
+            layout_id: "id".into(),
+            created_unix: 1,
+            mode: Mode::Stripe,
+            stripe_unit: 8192,
+            model_type: "deepseek_v3".into(),
+            config: serde_json::json!({"model_type": "deepseek_v3"}),
+            drives: (0..2)
+                .map(|i| DriveEntry {
+                    index: i,
+                    path: format!("/d{i}/m").into(),
+                    drive_id: format!("d{i}"),
+                    data_len: if i == 0 { 8192 } else { 4096 },
+                })
+                .collect(),
+            this_drive: 1,
+            logical_len: 12288,
+            unit_hashes_blake3: h.clone(),
+            records: vec![
+                RecordEntry {
+                    id: RecordId::Resident {
+                        group: "global".into(),
+                    },
+                    offset: 0,
+                    len: 10,
+                    hash: h.clone(),
+                    tensors: vec![RecordTensor {
+                        name: "model.norm.weight".into(),
+                        dtype: Dtype::Bf16,
+                        shape: vec![5],
+                        offset: 0,
+                        len: 10,
+                    }],
+                },
+                RecordEntry {
+                    id: RecordId::Expert {
+                        layer: 1,
+                        expert: 0,
+                    },
+                    offset: 4096,
+                    len: 6000,
+                    hash: h,
+                    tensors: vec![],
+                },
+            ],
+            expert_templates: vec![ExpertTemplate {
+                layer: 1,
+                len: 6000,
+                tensors: vec![RecordTensor {
+                    name: "gate_proj.weight".into(),
+                    dtype: Dtype::Bf16,
+                    shape: vec![3000],
+                    offset: 0,
+                    len: 6000,
+                }],
+            }],
+            meta: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn round_trip_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = sample();
+        m.store(dir.path()).unwrap();
+        assert!(!dir.path().join("manifest.json.tmp").exists());
+        let back = Manifest::load(dir.path()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(Manifest::load(&dir.path().join(MANIFEST_FILE)).unwrap(), m);
+    }
+
+    #[test]
+    fn refuses_newer_version_and_bad_fields() {
+        let p = Path::new("x/manifest.json");
+        let mut v = serde_json::to_value(sample()).unwrap();
+        v["version"] = serde_json::json!(MANIFEST_VERSION + 1);
+        let err = Manifest::from_bytes(p, &serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert!(
+            matches!(err, StorageError::ManifestVersion { found, .. } if found == MANIFEST_VERSION + 1)
+        );
+        assert!(err.to_string().contains("x/manifest.json"));
+
+        let mut m = sample();
+        m.records[1].offset = 4000;
+        let err = Manifest::from_bytes(p, &serde_json::to_vec(&m).unwrap()).unwrap_err();
+        assert!(err.to_string().contains("layer 1 expert 0"), "{err}");
+
+        let mut m = sample();
+        m.records[1].len = 9000;
+        assert!(Manifest::from_bytes(p, &serde_json::to_vec(&m).unwrap()).is_err());
+
+        let mut m = sample();
+        m.drives[1].data_len = 1;
+        assert!(Manifest::from_bytes(p, &serde_json::to_vec(&m).unwrap()).is_err());
+
+        let mut m = sample();
+        m.records[0].tensors[0].len = 11;
+        assert!(Manifest::from_bytes(p, &serde_json::to_vec(&m).unwrap()).is_err());
+
+        assert!(Manifest::from_bytes(p, b"{\"format\":\"other\"}").is_err());
+        assert!(Manifest::from_bytes(p, b"[1,2").is_err());
+    }
+}
