@@ -1,0 +1,185 @@
+//! DeepSeek-V3 Multi-head Latent Attention.
+//!
+//! ```text
+//! q      = q_b_proj(q_a_layernorm(q_a_proj(x)))   or q_proj(x)        [n, H, nope + rope]
+//! kv_a   = kv_a_proj_with_mqa(x)                                      [n, kv_lora + rope]
+//! c      = kv_a_layernorm(kv_a[:kv_lora])          (cached)           [n, kv_lora]
+//! k_pe   = rope(kv_a[kv_lora:])                    (cached, 1 head)   [n, rope]
+//! kv_b_proj = [H, nope + v, kv_lora]: W_uk = rows [..nope], W_uv = rows [nope..]
+//! score(h, i, j) = scale * ((W_uk[h]^T q_nope[i,h]) . c[j] + rope(q_pe[i,h]) . k_pe[j])
+//! out(h, i)      = W_uv[h] (sum_j softmax_j(score) c[j])              [n, H, v]
+//! y = o_proj(out)                                                     [n, hidden]
+//! ```
+//! The cache holds only the compressed latent and the rope key per position; `kv_b_proj` is
+//! absorbed into the query and the output (mathematically identical to expanding K and V).
+
+use rayon::prelude::*;
+
+use super::{check_truncate, state_as, MixerState, TokenMixer};
+use crate::error::Result;
+use crate::linear::{dot, Linear};
+use crate::ops::RmsNorm;
+use crate::rope::Rope;
+
+/// Query projection: low-rank with a norm in between, or direct.
+#[derive(Debug, Clone)]
+pub enum QProj {
+    /// `q_b_proj(q_a_layernorm(q_a_proj(x)))`.
+    Lora { a: Linear, norm: RmsNorm, b: Linear },
+    /// `q_proj(x)` (`q_lora_rank` null).
+    Direct(Linear),
+}
+
+impl QProj {
+    fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        match self {
+            QProj::Lora { a, norm, b } => {
+                let mut qa = a.forward(x, n);
+                norm.apply_inplace(&mut qa);
+                b.forward(&qa, n)
+            }
+            QProj::Direct(p) => p.forward(x, n),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct MlaAttention {
+    pub num_heads: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub kv_lora_rank: usize,
+    pub q: QProj,
+    /// `[kv_lora + rope, hidden]`
+    pub kv_a_proj_with_mqa: Linear,
+    pub kv_a_layernorm: RmsNorm,
+    /// `[H, nope, kv_lora]` (rows of kv_b_proj producing k_nope).
+    pub w_uk: Vec<f32>,
+    /// `[H, v, kv_lora]` (rows of kv_b_proj producing v).
+    pub w_uv: Vec<f32>,
+    /// `[hidden, H * v]`
+    pub o_proj: Linear,
+    pub rope: Rope,
+    /// Softmax scale applied to q.k.
+    pub softmax_scale: f32,
+}
+
+/// MLA cache: per position the normalised latent and the rotated rope key.
+#[derive(Debug, Clone, Default)]
+pub struct MlaCache {
+    /// `[len, kv_lora_rank]`
+    pub latent: Vec<f32>,
+    /// `[len, qk_rope_head_dim]`
+    pub k_rope: Vec<f32>,
+    len: usize,
+}
+
+impl MixerState for MlaCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn truncate(&mut self, len: usize) -> Result<()> {
+        check_truncate(self.len, len)?;
+        if self.len > 0 {
+            let l = self.latent.len() / self.len;
+            let r = self.k_rope.len() / self.len;
+            self.latent.truncate(len * l);
+            self.k_rope.truncate(len * r);
+        }
+        self.len = len;
+        Ok(())
+    }
+    fn memory_bytes(&self) -> usize {
+        (self.latent.capacity() + self.k_rope.capacity()) * 4
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+impl MlaAttention {
+    /// Split `kv_b_proj` (`[H*(nope+v), kv_lora]` row-major f32) into `W_uk` and `W_uv`.
+    pub fn split_kv_b(
+        kv_b: &[f32],
+        heads: usize,
+        nope: usize,
+        v: usize,
+        kv_lora: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut w_uk = Vec::with_capacity(heads * nope * kv_lora);
+        let mut w_uv = Vec::with_capacity(heads * v * kv_lora);
+        for h in 0..heads {
+            let base = h * (nope + v) * kv_lora;
+            w_uk.extend_from_slice(&kv_b[base..base + nope * kv_lora]);
+            w_uv.extend_from_slice(&kv_b[base + nope * kv_lora..base + (nope + v) * kv_lora]);
+        }
+        (w_uk, w_uv)
+    }
+}
+
+impl TokenMixer for MlaAttention {
+    fn new_state(&self) -> Box<dyn MixerState> {
+        Box::new(MlaCache::default())
+    }
+
+    fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>> {
+        let cache = state_as::<MlaCache>(state, "MLA attention")?;
+        let (h_n, nope, rd, vd, kl) =
+            (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank);
+        let qk = nope + rd;
+        let start = cache.len;
+
+        let q = self.q.forward(x, n); // [n, H, nope + rope]
+        let kv = self.kv_a_proj_with_mqa.forward(x, n); // [n, kv_lora + rope]
+        for t in 0..n {
+            let row = &kv[t * (kl + rd)..(t + 1) * (kl + rd)];
+            let mut lat = row[..kl].to_vec();
+            self.kv_a_layernorm.apply_inplace(&mut lat);
+            cache.latent.extend_from_slice(&lat);
+            let mut kpe = row[kl..].to_vec();
+            self.rope.apply(&mut kpe, start + t);
+            cache.k_rope.extend_from_slice(&kpe);
+        }
+        cache.len = start + n;
+        let cache: &MlaCache = cache;
+
+        // One task per (position, head): [n * H, v]
+        let mut attn = vec![0f32; n * h_n * vd];
+        attn.par_chunks_mut(vd).enumerate().for_each(|(idx, out)| {
+            let (t, h) = (idx / h_n, idx % h_n);
+            let pos = start + t;
+            let qh = &q[(t * h_n + h) * qk..(t * h_n + h + 1) * qk];
+            let mut q_pe = qh[nope..].to_vec();
+            self.rope.apply(&mut q_pe, pos);
+            // Absorb W_uk: q_abs[c] = sum_d q_nope[d] * W_uk[h, d, c]
+            let mut q_abs = vec![0f32; kl];
+            let wuk = &self.w_uk[h * nope * kl..(h + 1) * nope * kl];
+            for (d, &qd) in qh[..nope].iter().enumerate() {
+                for (a, &w) in q_abs.iter_mut().zip(&wuk[d * kl..(d + 1) * kl]) {
+                    *a += qd * w;
+                }
+            }
+            let len = pos + 1;
+            let mut scores: Vec<f32> = (0..len)
+                .map(|j| {
+                    let s = dot(&q_abs, &cache.latent[j * kl..(j + 1) * kl])
+                        + dot(&q_pe, &cache.k_rope[j * rd..(j + 1) * rd]);
+                    s * self.softmax_scale
+                })
+                .collect();
+            crate::ops::softmax_inplace(&mut scores);
+            let mut ctx = vec![0f32; kl];
+            for (j, &p) in scores.iter().enumerate() {
+                for (c, &l) in ctx.iter_mut().zip(&cache.latent[j * kl..(j + 1) * kl]) {
+                    *c += p * l;
+                }
+            }
+            let wuv = &self.w_uv[h * vd * kl..(h + 1) * vd * kl];
+            for (dv, o) in out.iter_mut().enumerate() {
+                *o = dot(&wuv[dv * kl..(dv + 1) * kl], &ctx);
+            }
+        });
+        Ok(self.o_proj.forward(&attn, n))
+    }
+}

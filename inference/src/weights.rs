@@ -1,0 +1,183 @@
+//! Where weights come from. The forward pass only sees [`WeightSource`]: resident tensors by
+//! Hugging Face name, and routed experts delivered per layer through a callback, so that a
+//! source may stream experts from drives while the engine computes.
+//!
+//! [`DirSource`] serves a Hugging Face model directory (memory-mapped safetensors).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use deltafin_storage::checkpoint::{Checkpoint, ExpertPart};
+use deltafin_storage::safetensors::Dtype;
+
+use crate::error::{InferenceError, Result};
+
+/// A borrowed tensor: element type, shape and raw little-endian bytes.
+#[derive(Debug, Clone)]
+pub struct TensorRef<'a> {
+    pub dtype: Dtype,
+    pub shape: &'a [u64],
+    pub bytes: &'a [u8],
+}
+
+impl<'a> TensorRef<'a> {
+    pub fn new(dtype: Dtype, shape: &'a [u64], bytes: &'a [u8]) -> Self {
+        TensorRef { dtype, shape, bytes }
+    }
+
+    /// Number of elements the shape declares.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// One part of a routed expert, named relative to `model.layers.L.mlp.experts.E.`
+/// (`gate_proj.weight`, `down_proj.weight_scale_inv`, ...) or, for fused per-layer checkpoints,
+/// the per-expert slice of `gate_up_proj` / `down_proj` (shape without the expert dimension).
+#[derive(Debug, Clone)]
+pub struct ExpertPartRef<'a> {
+    pub name: &'a str,
+    pub tensor: TensorRef<'a>,
+}
+
+/// The parts of one routed expert, as handed to the forward pass by [`WeightSource::with_experts`].
+#[derive(Debug, Clone, Default)]
+pub struct ExpertView<'a> {
+    parts: Vec<ExpertPartRef<'a>>,
+}
+
+impl<'a> ExpertView<'a> {
+    pub fn new(parts: Vec<ExpertPartRef<'a>>) -> Self {
+        ExpertView { parts }
+    }
+
+    /// The part named `name` (`gate_proj.weight`, `gate_up_proj`, ...).
+    pub fn part(&self, name: &str) -> Option<TensorRef<'a>> {
+        self.parts.iter().find(|p| p.name == name).map(|p| p.tensor.clone())
+    }
+
+    pub fn parts(&self) -> &[ExpertPartRef<'a>] {
+        &self.parts
+    }
+
+    /// Names of all parts (for error messages).
+    pub fn part_names(&self) -> Vec<&'a str> {
+        self.parts.iter().map(|p| p.name).collect()
+    }
+}
+
+/// Callback receiving one ready expert: `(expert_id, view)`.
+pub type ExpertCallback<'c> = dyn FnMut(usize, &ExpertView<'_>) -> Result<()> + 'c;
+
+/// Everything the forward pass needs from storage. Object safe; implementations must be
+/// shareable across threads.
+pub trait WeightSource: Send + Sync {
+    /// The model's `config.json`.
+    fn config(&self) -> &serde_json::Value;
+
+    /// A resident tensor by its Hugging Face name (embeddings, attention, norms, router gate and
+    /// `e_score_correction_bias`, shared experts, dense MLPs, lm_head). Returns
+    /// [`InferenceError::MissingTensor`] when the name is unknown.
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>>;
+
+    /// Routed experts `experts` of decoder layer `layer`: call `on_ready(expert_id, &view)`
+    /// exactly once for each requested expert, in any order, as soon as its bytes are available.
+    /// An error from `on_ready` must be returned unchanged (and may stop further calls).
+    fn with_experts(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_ready: &mut ExpertCallback<'_>,
+    ) -> Result<()>;
+
+    /// Whether a resident tensor exists. The default asks [`WeightSource::tensor`].
+    fn has_tensor(&self, name: &str) -> bool {
+        self.tensor(name).is_ok()
+    }
+}
+
+/// A resident tensor if it exists; other errors pass through.
+pub(crate) fn try_tensor<'a>(src: &'a dyn WeightSource, name: &str) -> Result<Option<TensorRef<'a>>> {
+    match src.tensor(name) {
+        Ok(t) => Ok(Some(t)),
+        Err(InferenceError::MissingTensor { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// A Hugging Face model directory (`config.json` + safetensors shards), memory-mapped.
+#[derive(Debug)]
+pub struct DirSource {
+    ckpt: Checkpoint,
+    /// (layer, expert) -> parts.
+    experts: HashMap<(usize, usize), Vec<ExpertPart>>,
+}
+
+impl DirSource {
+    /// Open a model directory: parses every shard header and indexes the routed experts.
+    pub fn open(dir: &Path) -> Result<DirSource> {
+        let ckpt = Checkpoint::open(dir)?;
+        Self::from_checkpoint(ckpt)
+    }
+
+    pub fn from_checkpoint(ckpt: Checkpoint) -> Result<DirSource> {
+        let experts = ckpt
+            .experts()?
+            .into_iter()
+            .map(|e| ((e.layer as usize, e.expert as usize), e.parts))
+            .collect();
+        Ok(DirSource { ckpt, experts })
+    }
+
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.ckpt
+    }
+}
+
+impl WeightSource for DirSource {
+    fn config(&self) -> &serde_json::Value {
+        &self.ckpt.config
+    }
+
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
+        let t = self
+            .ckpt
+            .get(name)
+            .ok_or_else(|| InferenceError::MissingTensor { name: name.to_string() })?;
+        let bytes = self.ckpt.slice(t.file, t.info.offset, t.info.len);
+        Ok(TensorRef { dtype: t.info.dtype.clone(), shape: &t.info.shape, bytes })
+    }
+
+    fn with_experts(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_ready: &mut ExpertCallback<'_>,
+    ) -> Result<()> {
+        for &e in experts {
+            let parts = self.experts.get(&(layer, e)).ok_or_else(|| InferenceError::MissingExpert {
+                layer,
+                expert: e,
+                reason: format!(
+                    "no tensors named model.layers.{layer}.mlp.experts.{e}.* (or fused experts) in {}",
+                    self.ckpt.dir.display()
+                ),
+            })?;
+            let view = ExpertView::new(
+                parts
+                    .iter()
+                    .map(|p| ExpertPartRef {
+                        name: &p.part,
+                        tensor: TensorRef {
+                            dtype: p.dtype.clone(),
+                            shape: &p.shape,
+                            bytes: self.ckpt.slice(p.file, p.offset, p.len),
+                        },
+                    })
+                    .collect(),
+            );
+            on_ready(e, &view)?;
+        }
+        Ok(())
+    }
+}
