@@ -1,0 +1,81 @@
+//! Shared test helpers: fixture paths, reference tensors, tolerance checks.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+
+use deltafin_storage::safetensors::{self, Dtype};
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/fixtures").join(name)
+}
+
+/// A safetensors file read fully into memory.
+pub struct Reference {
+    bytes: Vec<u8>,
+    header: safetensors::Header,
+}
+
+impl Reference {
+    pub fn open(path: &Path) -> Reference {
+        let bytes = std::fs::read(path).unwrap();
+        let header = safetensors::parse_bytes(&bytes).unwrap();
+        Reference { bytes, header }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.header.get(name).is_some()
+    }
+
+    pub fn shape(&self, name: &str) -> Vec<usize> {
+        self.header.get(name).unwrap_or_else(|| panic!("no {name}")).shape.iter().map(|&d| d as usize).collect()
+    }
+
+    fn raw(&self, name: &str) -> (&Dtype, &[u8]) {
+        let t = self.header.get(name).unwrap_or_else(|| panic!("reference has no `{name}`"));
+        (&t.dtype, &self.bytes[t.offset as usize..(t.offset + t.len) as usize])
+    }
+
+    pub fn f32(&self, name: &str) -> Vec<f32> {
+        let (d, b) = self.raw(name);
+        assert_eq!(*d, Dtype::F32, "{name}");
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    pub fn i64(&self, name: &str) -> Vec<i64> {
+        let (d, b) = self.raw(name);
+        assert_eq!(*d, Dtype::I64, "{name}");
+        b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+
+    pub fn metadata(&self, key: &str) -> Option<&str> {
+        self.header.metadata.get(key).map(|s| s.as_str())
+    }
+}
+
+/// max |a - b|
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn max_abs(a: &[f32]) -> f32 {
+    a.iter().map(|x| x.abs()).fold(0.0, f32::max)
+}
+
+/// `max|ours - ref| <= 1e-3 * (1 + max|ref|)`; returns the error.
+pub fn assert_close(what: &str, ours: &[f32], reference: &[f32]) -> f32 {
+    let err = max_abs_diff(ours, reference);
+    let tol = 1e-3 * (1.0 + max_abs(reference));
+    assert!(err <= tol, "{what}: max abs error {err} > tolerance {tol}");
+    err
+}
+
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}

@@ -1,0 +1,125 @@
+//! End-to-end checks against references computed by Hugging Face transformers (f32) on the
+//! fixtures in testdata/fixtures: prompt logits, cached greedy decoding, routing, hidden states.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use common::{argmax, assert_close, fixture_dir, max_abs_diff, Reference};
+use deltafin_inference::{DirSource, ForwardTrace, LogitsMode, Model};
+
+struct Report {
+    prompt_err: f32,
+    step_err: f32,
+}
+
+fn check_fixture(name: &str) -> Report {
+    let dir = fixture_dir(name);
+    let src = Arc::new(DirSource::open(&dir).unwrap());
+    let model = Model::load(src).unwrap();
+    let r = Reference::open(&dir.join("reference.safetensors"));
+    let vocab = model.vocab_size();
+    let hidden = model.hidden_size();
+    let prompt: Vec<u32> = r.i64("prompt_ids").iter().map(|&t| t as u32).collect();
+    let n = prompt.len();
+
+    // One uncached forward over the prompt, with a trace.
+    let mut session = model.new_session();
+    let mut trace = ForwardTrace::default();
+    let logits = model.forward_with(&mut session, &prompt, LogitsMode::All, Some(&mut trace)).unwrap();
+    assert_eq!((logits.rows, logits.vocab), (n, vocab));
+
+    // Hidden states first: they say where a port diverges.
+    let hs = r.f32("prompt_hidden_states");
+    assert_eq!(trace.hidden_states.len(), model.layers().len() + 1);
+    for (i, ours) in trace.hidden_states.iter().enumerate() {
+        let reference = &hs[i * n * hidden..(i + 1) * n * hidden];
+        assert_close(&format!("{name}: hidden state {i}"), ours, reference);
+    }
+
+    let want = r.f32("prompt_logits");
+    let prompt_err = assert_close(&format!("{name}: prompt logits"), &logits.data, &want);
+    for t in 0..n {
+        assert_close(&format!("{name}: prompt row {t}"), logits.row(t), &want[t * vocab..(t + 1) * vocab]);
+    }
+
+    // Routing: every prompt position, compared as sets; weights by expert.
+    let layer_ids = r.i64("moe_layer_ids");
+    let topk = r.i64("prompt_router_topk");
+    let topw = r.f32("prompt_router_topk_weights");
+    let k = r.shape("prompt_router_topk")[2];
+    assert_eq!(trace.routing.len(), layer_ids.len());
+    for (row, (layer, routes)) in trace.routing.iter().enumerate() {
+        assert_eq!(*layer as i64, layer_ids[row]);
+        for (t, route) in routes.iter().enumerate() {
+            let base = (row * n + t) * k;
+            let want: BTreeSet<usize> = topk[base..base + k].iter().map(|&e| e as usize).collect();
+            let got: BTreeSet<usize> = route.experts.iter().copied().collect();
+            assert_eq!(got, want, "{name}: layer {layer} position {t} routing");
+            for (slot, &e) in topk[base..base + k].iter().enumerate() {
+                let i = route.experts.iter().position(|&x| x == e as usize).unwrap();
+                let (ours, theirs) = (route.weights[i], topw[base + slot]);
+                assert!((ours - theirs).abs() < 1e-4 * (1.0 + theirs.abs()), "{name}: weight {ours} vs {theirs}");
+            }
+        }
+        // The last-position table agrees with the per-position one.
+        let last: BTreeSet<i64> = r.i64("router_topk")[row * k..(row + 1) * k].iter().copied().collect();
+        let ours: BTreeSet<i64> = routes[n - 1].experts.iter().map(|&e| e as i64).collect();
+        assert_eq!(ours, last);
+    }
+
+    // Greedy decoding with the cache, one position per step.
+    let greedy = r.i64("greedy_ids");
+    let step_logits = r.f32("greedy_step_logits");
+    let mut session = model.new_session();
+    let mut last = model.forward_last(&mut session, &prompt).unwrap();
+    let mut step_err = 0f32;
+    for (i, &want_id) in greedy.iter().enumerate() {
+        let reference = &step_logits[i * vocab..(i + 1) * vocab];
+        step_err = step_err.max(assert_close(&format!("{name}: greedy step {i}"), &last, reference));
+        let id = argmax(&last);
+        assert_eq!(id as i64, want_id, "{name}: greedy step {i}");
+        last = model.forward_last(&mut session, &[id as u32]).unwrap();
+    }
+    assert_eq!(session.len(), n + greedy.len());
+    eprintln!("{name}: prompt logits max err {prompt_err:e}, greedy step logits max err {step_err:e}");
+    let _ = max_abs_diff;
+    Report { prompt_err, step_err }
+}
+
+#[test]
+fn deepseek_v3_a_matches_transformers() {
+    let r = check_fixture("deepseek_v3_a");
+    assert!(r.prompt_err < 1e-3 && r.step_err < 1e-3);
+}
+
+#[test]
+fn qwen3_moe_a_matches_transformers() {
+    let r = check_fixture("qwen3_moe_a");
+    assert!(r.prompt_err < 1e-3 && r.step_err < 1e-3);
+}
+
+#[test]
+fn rope_and_softmax_scale_match_reference() {
+    use deltafin_inference::arch::{deepseek_rope_and_scale, qwen_rope_and_scale};
+    use deltafin_inference::ModelConfig;
+    for name in ["deepseek_v3_a", "qwen3_moe_a"] {
+        let dir = fixture_dir(name);
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        let (rope, scale) = match ModelConfig::from_json(&cfg).unwrap() {
+            ModelConfig::DeepseekV3(c) => deepseek_rope_and_scale(&c).unwrap(),
+            ModelConfig::Qwen3Moe(c) => qwen_rope_and_scale(&c).unwrap(),
+        };
+        let r = Reference::open(&dir.join("reference.safetensors"));
+        let inv = r.f32("rope_inv_freq");
+        assert_eq!(rope.inv_freq().len(), inv.len());
+        for (a, b) in rope.inv_freq().iter().zip(&inv) {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-6), "{name}: inv_freq {a} vs {b}");
+        }
+        assert!((rope.attention_factor() - r.f32("rope_attention_factor")[0]).abs() < 1e-6);
+        assert!((scale - r.f32("attn_softmax_scale")[0]).abs() < 1e-6 * scale);
+    }
+}
