@@ -655,6 +655,21 @@ pub fn tensor_to_f32(t: &TensorRef<'_>, name: &str) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// Dequantize the matrix stored under `name` (`....weight`, whatever its packed form) to
+/// row-major f32 `[rows, cols]`, reading resident tensors by name from `src`.
+pub fn dequantize(
+    src: &dyn crate::weights::WeightSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    hints: &QuantHints,
+) -> Result<Vec<f32>> {
+    let prefix = name.strip_suffix(".weight").unwrap_or(name);
+    let get = |n: &str| crate::weights::try_tensor(src, n);
+    let full = |n: &str| n.to_string();
+    Ok(resolve_matrix(&MatrixParts { get: &get, full_name: &full }, prefix, rows, cols, hints)?.to_f32())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
