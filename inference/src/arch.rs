@@ -24,7 +24,13 @@ pub fn build(config: ModelConfig, src: &dyn WeightSource) -> Result<ModelParts> 
     }
 }
 
-fn dense_mlp(ld: &Loader<'_>, prefix: &str, hidden: usize, inter: usize, act: &Arc<dyn Activation>) -> Result<DenseMlp> {
+fn dense_mlp(
+    ld: &Loader<'_>,
+    prefix: &str,
+    hidden: usize,
+    inter: usize,
+    act: &Arc<dyn Activation>,
+) -> Result<DenseMlp> {
     Ok(DenseMlp {
         gate_proj: ld.linear(&format!("{prefix}.gate_proj"), inter, hidden, false)?,
         up_proj: ld.linear(&format!("{prefix}.up_proj"), inter, hidden, false)?,
@@ -40,14 +46,27 @@ fn embeddings_and_head(
     tie: bool,
 ) -> Result<(crate::linear::Linear, Option<crate::linear::Linear>)> {
     let embed = ld.linear("model.embed_tokens", vocab, hidden, false)?;
-    let head = if tie { None } else { Some(ld.linear("lm_head", vocab, hidden, false)?) };
+    let head = if tie {
+        None
+    } else {
+        Some(ld.linear("lm_head", vocab, hidden, false)?)
+    };
     Ok((embed, head))
 }
 
 /// The rope of DeepSeek-V3 MLA and the q.k softmax scale (with YaRN's mscale^2).
 pub fn deepseek_rope_and_scale(c: &DeepseekV3Config) -> Result<(Rope, f32)> {
-    let layout = if c.rope_interleave { RopeLayout::Interleaved } else { RopeLayout::Half };
-    let rope = Rope::new(&c.rope_parameters, c.qk_rope_head_dim, c.max_position_embeddings, layout)?;
+    let layout = if c.rope_interleave {
+        RopeLayout::Interleaved
+    } else {
+        RopeLayout::Half
+    };
+    let rope = Rope::new(
+        &c.rope_parameters,
+        c.qk_rope_head_dim,
+        c.max_position_embeddings,
+        layout,
+    )?;
     let mut scale = (c.qk_head_dim() as f64).powf(-0.5);
     let p = &c.rope_parameters;
     if p.rope_type != "default" {
@@ -59,12 +78,21 @@ pub fn deepseek_rope_and_scale(c: &DeepseekV3Config) -> Result<(Rope, f32)> {
     Ok((rope, scale as f32))
 }
 
-fn build_deepseek_v3(c: &DeepseekV3Config, ld: Loader<'_>, config: ModelConfig) -> Result<ModelParts> {
+fn build_deepseek_v3(
+    c: &DeepseekV3Config,
+    ld: Loader<'_>,
+    config: ModelConfig,
+) -> Result<ModelParts> {
     let hd = c.hidden_size;
     let act: Arc<dyn Activation> = Arc::new(c.hidden_act);
     let (rope, scale) = deepseek_rope_and_scale(c)?;
-    let (heads, nope, rd, vd, kl) =
-        (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank);
+    let (heads, nope, rd, vd, kl) = (
+        c.num_attention_heads,
+        c.qk_nope_head_dim,
+        c.qk_rope_head_dim,
+        c.v_head_dim,
+        c.kv_lora_rank,
+    );
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}");
@@ -76,9 +104,13 @@ fn build_deepseek_v3(c: &DeepseekV3Config, ld: Loader<'_>, config: ModelConfig) 
                 norm: ld.norm(&format!("{a}.q_a_layernorm.weight"), r, 1e-6)?,
                 b: ld.linear(&format!("{a}.q_b_proj"), heads * (nope + rd), r, false)?,
             },
-            None => QProj::Direct(ld.linear(&format!("{a}.q_proj"), heads * (nope + rd), hd, false)?),
+            None => {
+                QProj::Direct(ld.linear(&format!("{a}.q_proj"), heads * (nope + rd), hd, false)?)
+            }
         };
-        let kv_b = ld.matrix(&format!("{a}.kv_b_proj"), heads * (nope + vd), kl)?.to_f32();
+        let kv_b = ld
+            .matrix(&format!("{a}.kv_b_proj"), heads * (nope + vd), kl)?
+            .to_f32();
         let (w_uk, w_uv) = MlaAttention::split_kv_b(&kv_b, heads, nope, vd, kl);
         let mixer = MlaAttention {
             num_heads: heads,
@@ -108,28 +140,49 @@ fn build_deepseek_v3(c: &DeepseekV3Config, ld: Loader<'_>, config: ModelConfig) 
                 routed_scaling_factor: c.routed_scaling_factor as f32,
             };
             let shared = if c.n_shared_experts > 0 {
-                Some(dense_mlp(&ld, &format!("{m}.shared_experts"), hd, c.moe_intermediate_size * c.n_shared_experts, &act)?)
+                Some(dense_mlp(
+                    &ld,
+                    &format!("{m}.shared_experts"),
+                    hd,
+                    c.moe_intermediate_size * c.n_shared_experts,
+                    &act,
+                )?)
             } else {
                 None
             };
             Box::new(MoeFfn {
                 router: Box::new(router),
-                experts: ExpertShape { hidden: hd, intermediate: c.moe_intermediate_size, hints: ld.hints },
+                experts: ExpertShape {
+                    hidden: hd,
+                    intermediate: c.moe_intermediate_size,
+                    hints: ld.hints,
+                },
                 shared_experts: shared,
                 act: act.clone(),
             })
         } else {
-            Box::new(dense_mlp(&ld, &format!("{p}.mlp"), hd, c.intermediate_size, &act)?)
+            Box::new(dense_mlp(
+                &ld,
+                &format!("{p}.mlp"),
+                hd,
+                c.intermediate_size,
+                &act,
+            )?)
         };
         layers.push(DecoderLayer {
             index: l,
             input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), hd, c.rms_norm_eps)?,
             mixer: Box::new(mixer),
-            post_attention_layernorm: ld.norm(&format!("{p}.post_attention_layernorm.weight"), hd, c.rms_norm_eps)?,
+            post_attention_layernorm: ld.norm(
+                &format!("{p}.post_attention_layernorm.weight"),
+                hd,
+                c.rms_norm_eps,
+            )?,
             ffn,
         });
     }
-    let (embed_tokens, lm_head) = embeddings_and_head(&ld, c.vocab_size, hd, c.tie_word_embeddings)?;
+    let (embed_tokens, lm_head) =
+        embeddings_and_head(&ld, c.vocab_size, hd, c.tie_word_embeddings)?;
     Ok(ModelParts {
         config,
         embed_tokens,
@@ -142,7 +195,12 @@ fn build_deepseek_v3(c: &DeepseekV3Config, ld: Loader<'_>, config: ModelConfig) 
 
 /// The rope of Qwen3-MoE attention and the q.k scale.
 pub fn qwen_rope_and_scale(c: &Qwen3MoeConfig) -> Result<(Rope, f32)> {
-    let rope = Rope::new(&c.rope_parameters, c.head_dim, c.max_position_embeddings, RopeLayout::Half)?;
+    let rope = Rope::new(
+        &c.rope_parameters,
+        c.head_dim,
+        c.max_position_embeddings,
+        RopeLayout::Half,
+    )?;
     Ok((rope, (c.head_dim as f64).powf(-0.5) as f32))
 }
 
@@ -177,22 +235,37 @@ fn build_qwen3_moe(c: &Qwen3MoeConfig, ld: Loader<'_>, config: ModelConfig) -> R
                     top_k: c.num_experts_per_tok,
                     norm_topk_prob: c.norm_topk_prob,
                 }),
-                experts: ExpertShape { hidden: hd, intermediate: c.moe_intermediate_size, hints: ld.hints },
+                experts: ExpertShape {
+                    hidden: hd,
+                    intermediate: c.moe_intermediate_size,
+                    hints: ld.hints,
+                },
                 shared_experts: None,
                 act: act.clone(),
             })
         } else {
-            Box::new(dense_mlp(&ld, &format!("{p}.mlp"), hd, c.intermediate_size, &act)?)
+            Box::new(dense_mlp(
+                &ld,
+                &format!("{p}.mlp"),
+                hd,
+                c.intermediate_size,
+                &act,
+            )?)
         };
         layers.push(DecoderLayer {
             index: l,
             input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), hd, c.rms_norm_eps)?,
             mixer: Box::new(mixer),
-            post_attention_layernorm: ld.norm(&format!("{p}.post_attention_layernorm.weight"), hd, c.rms_norm_eps)?,
+            post_attention_layernorm: ld.norm(
+                &format!("{p}.post_attention_layernorm.weight"),
+                hd,
+                c.rms_norm_eps,
+            )?,
             ffn,
         });
     }
-    let (embed_tokens, lm_head) = embeddings_and_head(&ld, c.vocab_size, hd, c.tie_word_embeddings)?;
+    let (embed_tokens, lm_head) =
+        embeddings_and_head(&ld, c.vocab_size, hd, c.tie_word_embeddings)?;
     Ok(ModelParts {
         config,
         embed_tokens,

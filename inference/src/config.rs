@@ -29,9 +29,8 @@ impl<'a> Fields<'a> {
     }
 
     fn parse<T: DeserializeOwned>(&self, name: &str, v: &Value) -> CResult<T> {
-        serde_json::from_value(v.clone()).map_err(|e| {
-            ConfigError::invalid(name, format!("{e} (got {})", truncate_json(v)))
-        })
+        serde_json::from_value(v.clone())
+            .map_err(|e| ConfigError::invalid(name, format!("{e} (got {})", truncate_json(v))))
     }
 
     fn req<T: DeserializeOwned>(&self, name: &str) -> CResult<T> {
@@ -138,18 +137,25 @@ impl RopeParameters {
         let obj = dict
             .as_object()
             .ok_or_else(|| ConfigError::invalid(field, "expected an object or null"))?;
-        let sub = Fields { obj, model_type: f.model_type };
+        let sub = Fields {
+            obj,
+            model_type: f.model_type,
+        };
         let name = |k: &str| format!("{field}.{k}");
         let get_f64 = |k: &str| -> CResult<Option<f64>> {
             sub.raw(k)
                 .map(|v| {
-                    v.as_f64().ok_or_else(|| ConfigError::invalid(name(k), "expected a number"))
+                    v.as_f64()
+                        .ok_or_else(|| ConfigError::invalid(name(k), "expected a number"))
                 })
                 .transpose()
         };
         // Per-layer-type dictionaries ({"full_attention": {...}}) are not used by these models.
         if obj.values().any(Value::is_object) {
-            return Err(ConfigError::unsupported(field, "per-layer-type rope parameters"));
+            return Err(ConfigError::unsupported(
+                field,
+                "per-layer-type rope parameters",
+            ));
         }
         let ty = sub.raw("rope_type").or_else(|| sub.raw("type"));
         p.rope_type = match ty {
@@ -174,7 +180,10 @@ impl RopeParameters {
         p.high_freq_factor = get_f64("high_freq_factor")?;
         p.truncate = sub
             .raw("truncate")
-            .map(|v| v.as_bool().ok_or_else(|| ConfigError::invalid(name("truncate"), "expected a bool")))
+            .map(|v| {
+                v.as_bool()
+                    .ok_or_else(|| ConfigError::invalid(name("truncate"), "expected a bool"))
+            })
             .transpose()?;
         match p.rope_type.as_str() {
             "default" => {}
@@ -184,9 +193,14 @@ impl RopeParameters {
                     field: name("factor"),
                 })?;
                 if !(factor.is_finite() && factor > 0.0) {
-                    return Err(ConfigError::invalid(name("factor"), format!("{factor} is not > 0")));
+                    return Err(ConfigError::invalid(
+                        name("factor"),
+                        format!("{factor} is not > 0"),
+                    ));
                 }
-                if p.rope_type == "llama3" && (p.low_freq_factor.is_none() || p.high_freq_factor.is_none()) {
+                if p.rope_type == "llama3"
+                    && (p.low_freq_factor.is_none() || p.high_freq_factor.is_none())
+                {
                     return Err(ConfigError::MissingField {
                         model_type: f.model_type.to_string(),
                         field: name("low_freq_factor/high_freq_factor"),
@@ -201,11 +215,17 @@ impl RopeParameters {
             }
         }
         if !(p.rope_theta.is_finite() && p.rope_theta > 1.0) {
-            return Err(ConfigError::invalid("rope_theta", format!("{} is not > 1", p.rope_theta)));
+            return Err(ConfigError::invalid(
+                "rope_theta",
+                format!("{} is not > 1", p.rope_theta),
+            ));
         }
         if let Some(r) = p.partial_rotary_factor {
             if r != 1.0 {
-                return Err(ConfigError::unsupported(name("partial_rotary_factor"), format!("{r}")));
+                return Err(ConfigError::unsupported(
+                    name("partial_rotary_factor"),
+                    format!("{r}"),
+                ));
             }
         }
         Ok(p)
@@ -232,7 +252,10 @@ impl HiddenAct {
             "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => HiddenAct::GeluTanh,
             "relu" => HiddenAct::Relu,
             other => {
-                return Err(ConfigError::unsupported("hidden_act", format!("activation `{other}`")))
+                return Err(ConfigError::unsupported(
+                    "hidden_act",
+                    format!("activation `{other}`"),
+                ))
             }
         })
     }
@@ -290,9 +313,16 @@ impl DeepseekV3Config {
             .and_then(Value::as_str)
             .unwrap_or("deepseek_v3")
             .to_string();
-        let f = Fields { obj, model_type: &model_type };
+        let f = Fields {
+            obj,
+            model_type: &model_type,
+        };
         let num_attention_heads: usize = f.req("num_attention_heads")?;
-        let q_lora_rank = if obj.contains_key("q_lora_rank") { f.opt("q_lora_rank")? } else { Some(1536) };
+        let q_lora_rank = if obj.contains_key("q_lora_rank") {
+            f.opt("q_lora_rank")?
+        } else {
+            Some(1536)
+        };
         let cfg = DeepseekV3Config {
             model_type: model_type.clone(),
             vocab_size: f.req("vocab_size")?,
@@ -302,7 +332,14 @@ impl DeepseekV3Config {
             num_hidden_layers: f.req("num_hidden_layers")?,
             num_attention_heads,
             num_key_value_heads: f.or("num_key_value_heads", num_attention_heads)?,
-            n_shared_experts: f.or("n_shared_experts", if obj.contains_key("n_shared_experts") { 0 } else { 1 })?,
+            n_shared_experts: f.or(
+                "n_shared_experts",
+                if obj.contains_key("n_shared_experts") {
+                    0
+                } else {
+                    1
+                },
+            )?,
             n_routed_experts: f.req("n_routed_experts")?,
             routed_scaling_factor: f.or("routed_scaling_factor", 2.5)?,
             kv_lora_rank: f.req("kv_lora_rank")?,
@@ -360,7 +397,10 @@ impl DeepseekV3Config {
             return Err(ConfigError::invalid("qk_rope_head_dim", "must be even"));
         }
         if self.qk_head_dim() == 0 {
-            return Err(ConfigError::invalid("qk_nope_head_dim", "qk_nope_head_dim + qk_rope_head_dim is 0"));
+            return Err(ConfigError::invalid(
+                "qk_nope_head_dim",
+                "qk_nope_head_dim + qk_rope_head_dim is 0",
+            ));
         }
         if self.q_lora_rank == Some(0) {
             return Err(ConfigError::invalid("q_lora_rank", "must be > 0 or null"));
@@ -375,7 +415,10 @@ impl DeepseekV3Config {
             if self.n_routed_experts % self.n_group != 0 {
                 return Err(ConfigError::invalid(
                     "n_group",
-                    format!("n_routed_experts {} is not a multiple of n_group {}", self.n_routed_experts, self.n_group),
+                    format!(
+                        "n_routed_experts {} is not a multiple of n_group {}",
+                        self.n_routed_experts, self.n_group
+                    ),
                 ));
             }
             if self.topk_group > self.n_group {
@@ -386,7 +429,10 @@ impl DeepseekV3Config {
             }
             let per_group = self.n_routed_experts / self.n_group;
             if per_group < 2 && self.n_group > 1 {
-                return Err(ConfigError::invalid("n_group", "each group needs at least 2 experts"));
+                return Err(ConfigError::invalid(
+                    "n_group",
+                    "each group needs at least 2 experts",
+                ));
             }
             if self.num_experts_per_tok > self.topk_group * per_group {
                 return Err(ConfigError::invalid(
@@ -399,10 +445,16 @@ impl DeepseekV3Config {
             }
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return Err(ConfigError::invalid("rms_norm_eps", "must be a finite number >= 0"));
+            return Err(ConfigError::invalid(
+                "rms_norm_eps",
+                "must be a finite number >= 0",
+            ));
         }
         if !self.routed_scaling_factor.is_finite() {
-            return Err(ConfigError::invalid("routed_scaling_factor", "must be finite"));
+            return Err(ConfigError::invalid(
+                "routed_scaling_factor",
+                "must be finite",
+            ));
         }
         Ok(())
     }
@@ -441,7 +493,10 @@ pub struct Qwen3MoeConfig {
 impl Qwen3MoeConfig {
     pub fn from_json(config: &Value) -> CResult<Self> {
         let obj = config.as_object().ok_or(ConfigError::NotAnObject)?;
-        let f = Fields { obj, model_type: "qwen3_moe" };
+        let f = Fields {
+            obj,
+            model_type: "qwen3_moe",
+        };
         let hidden_size: usize = f.req("hidden_size")?;
         let num_attention_heads: usize = f.req("num_attention_heads")?;
         if num_attention_heads == 0 {
@@ -454,7 +509,10 @@ impl Qwen3MoeConfig {
             Some(_) => f.req("num_key_value_heads")?,
         };
         if f.or("use_sliding_window", false)? {
-            return Err(ConfigError::unsupported("use_sliding_window", "sliding-window attention"));
+            return Err(ConfigError::unsupported(
+                "use_sliding_window",
+                "sliding-window attention",
+            ));
         }
         let cfg = Qwen3MoeConfig {
             model_type: "qwen3_moe".into(),
@@ -521,16 +579,25 @@ impl Qwen3MoeConfig {
             if self.num_experts_per_tok > self.num_experts {
                 return Err(ConfigError::invalid(
                     "num_experts_per_tok",
-                    format!("{} > num_experts {}", self.num_experts_per_tok, self.num_experts),
+                    format!(
+                        "{} > num_experts {}",
+                        self.num_experts_per_tok, self.num_experts
+                    ),
                 ));
             }
         }
         let has_dense = (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l));
         if has_dense && self.intermediate_size == 0 {
-            return Err(ConfigError::invalid("intermediate_size", "must be > 0 (dense layers exist)"));
+            return Err(ConfigError::invalid(
+                "intermediate_size",
+                "must be > 0 (dense layers exist)",
+            ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return Err(ConfigError::invalid("rms_norm_eps", "must be a finite number >= 0"));
+            return Err(ConfigError::invalid(
+                "rms_norm_eps",
+                "must be a finite number >= 0",
+            ));
         }
         Ok(())
     }
@@ -557,10 +624,14 @@ impl ModelConfig {
     /// Parse a `config.json` value, dispatching on `model_type`.
     pub fn from_json(config: &Value) -> CResult<Self> {
         let obj = config.as_object().ok_or(ConfigError::NotAnObject)?;
-        let model_type =
-            obj.get("model_type").and_then(Value::as_str).ok_or(ConfigError::MissingModelType)?;
+        let model_type = obj
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or(ConfigError::MissingModelType)?;
         match model_type {
-            "deepseek_v3" | "kimi_k2" => Ok(ModelConfig::DeepseekV3(DeepseekV3Config::from_json(config)?)),
+            "deepseek_v3" | "kimi_k2" => Ok(ModelConfig::DeepseekV3(DeepseekV3Config::from_json(
+                config,
+            )?)),
             "qwen3_moe" => Ok(ModelConfig::Qwen3Moe(Qwen3MoeConfig::from_json(config)?)),
             other => Err(ConfigError::UnsupportedModelType(other.to_string())),
         }
@@ -624,6 +695,7 @@ impl ModelConfig {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use serde_json::json;
@@ -718,13 +790,19 @@ mod tests {
 
     #[test]
     fn model_type_dispatch() {
-        assert!(matches!(ModelConfig::from_json(&json!({})), Err(ConfigError::MissingModelType)));
+        assert!(matches!(
+            ModelConfig::from_json(&json!({})),
+            Err(ConfigError::MissingModelType)
+        ));
         assert!(matches!(
             ModelConfig::from_json(&json!({"model_type": "llama"})),
             Err(ConfigError::UnsupportedModelType(_))
         ));
         let mut v = ds();
         v["model_type"] = json!("kimi_k2");
-        assert!(matches!(ModelConfig::from_json(&v), Ok(ModelConfig::DeepseekV3(_))));
+        assert!(matches!(
+            ModelConfig::from_json(&v),
+            Ok(ModelConfig::DeepseekV3(_))
+        ));
     }
 }

@@ -21,10 +21,16 @@ pub enum ConfigError {
 
 impl ConfigError {
     pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        ConfigError::InvalidField { field: field.into(), reason: reason.into() }
+        ConfigError::InvalidField {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
     pub(crate) fn unsupported(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        ConfigError::Unsupported { field: field.into(), reason: reason.into() }
+        ConfigError::Unsupported {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 }
 
@@ -41,19 +47,35 @@ pub enum InferenceError {
     MissingTensor { name: String },
 
     #[error("tensor `{name}` has shape {got:?}; expected {expected:?}")]
-    TensorShape { name: String, expected: Vec<u64>, got: Vec<u64> },
+    TensorShape {
+        name: String,
+        expected: Vec<u64>,
+        got: Vec<u64>,
+    },
 
     #[error("tensor `{name}` has dtype {got}; expected {expected}")]
-    TensorDtype { name: String, expected: String, got: String },
+    TensorDtype {
+        name: String,
+        expected: String,
+        got: String,
+    },
 
     #[error("tensor `{name}`: {reason}")]
     BadTensor { name: String, reason: String },
 
     #[error("layer {layer}: routed expert {expert} is not available: {reason}")]
-    MissingExpert { layer: usize, expert: usize, reason: String },
+    MissingExpert {
+        layer: usize,
+        expert: usize,
+        reason: String,
+    },
 
     #[error("token id {token} at input position {index} is outside the vocabulary (vocab_size {vocab_size})")]
-    TokenOutOfRange { token: u32, index: usize, vocab_size: usize },
+    TokenOutOfRange {
+        token: u32,
+        index: usize,
+        vocab_size: usize,
+    },
 
     #[error("empty input: at least one token is required")]
     EmptyInput,

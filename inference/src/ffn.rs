@@ -34,7 +34,9 @@ pub struct FfnContext<'a> {
 
 impl std::fmt::Debug for FfnContext<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FfnContext").field("layer", &self.layer).finish_non_exhaustive()
+        f.debug_struct("FfnContext")
+            .field("layer", &self.layer)
+            .finish_non_exhaustive()
     }
 }
 
@@ -60,7 +62,11 @@ impl DenseMlp {
     pub fn apply(&self, x: &[f32], n: usize) -> Vec<f32> {
         let g = self.gate_proj.forward(x, n);
         let u = self.up_proj.forward(x, n);
-        let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| self.act.apply(g) * u).collect();
+        let h: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| self.act.apply(g) * u)
+            .collect();
         self.down_proj.forward(&h, n)
     }
 }
@@ -117,7 +123,13 @@ impl NoauxTcRouter {
         let keep = top_k_indices(&group_scores, self.topk_group);
         // Experts of dropped groups score 0 (transformers' masked_fill(~mask, 0.0)).
         let masked: Vec<f32> = (0..e)
-            .map(|i| if keep.contains(&(i / per_group)) { choice[i] } else { 0.0 })
+            .map(|i| {
+                if keep.contains(&(i / per_group)) {
+                    choice[i]
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let experts = top_k_indices(&masked, self.top_k);
         let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
@@ -125,7 +137,9 @@ impl NoauxTcRouter {
             let denom = weights.iter().sum::<f32>() + 1e-20;
             weights.iter_mut().for_each(|w| *w /= denom);
         }
-        weights.iter_mut().for_each(|w| *w *= self.routed_scaling_factor);
+        weights
+            .iter_mut()
+            .for_each(|w| *w *= self.routed_scaling_factor);
         Routing { experts, weights }
     }
 }
@@ -255,30 +269,34 @@ impl FeedForward for MoeFfn {
         // does not depend on the order in which experts arrive.
         let mut slots = vec![0f32; n * top_k * hd];
         let act: &dyn Activation = &*self.act;
-        ctx.source.with_experts(layer, &wanted, &mut |e: usize, view: &ExpertView<'_>| {
-            let Ok(k) = wanted.binary_search(&e) else {
-                return Err(InferenceError::MissingExpert {
-                    layer,
-                    expert: e,
-                    reason: "the weight source delivered an expert that was not requested".into(),
-                });
-            };
-            delivered[k] = true;
-            let assign = &by_expert[&e];
-            let mut xs = Vec::with_capacity(assign.len() * hd);
-            for &(t, _) in assign {
-                xs.extend_from_slice(&x[t * hd..(t + 1) * hd]);
-            }
-            let ys = self.experts.forward(view, layer, e, act, &xs, assign.len())?;
-            for (i, &(t, slot)) in assign.iter().enumerate() {
-                let w = routes[t].weights[slot];
-                let dst = &mut slots[(t * top_k + slot) * hd..(t * top_k + slot + 1) * hd];
-                for (d, &y) in dst.iter_mut().zip(&ys[i * hd..(i + 1) * hd]) {
-                    *d = w * y;
+        ctx.source
+            .with_experts(layer, &wanted, &mut |e: usize, view: &ExpertView<'_>| {
+                let Ok(k) = wanted.binary_search(&e) else {
+                    return Err(InferenceError::MissingExpert {
+                        layer,
+                        expert: e,
+                        reason: "the weight source delivered an expert that was not requested"
+                            .into(),
+                    });
+                };
+                delivered[k] = true;
+                let assign = &by_expert[&e];
+                let mut xs = Vec::with_capacity(assign.len() * hd);
+                for &(t, _) in assign {
+                    xs.extend_from_slice(&x[t * hd..(t + 1) * hd]);
                 }
-            }
-            Ok(())
-        })?;
+                let ys = self
+                    .experts
+                    .forward(view, layer, e, act, &xs, assign.len())?;
+                for (i, &(t, slot)) in assign.iter().enumerate() {
+                    let w = routes[t].weights[slot];
+                    let dst = &mut slots[(t * top_k + slot) * hd..(t * top_k + slot + 1) * hd];
+                    for (d, &y) in dst.iter_mut().zip(&ys[i * hd..(i + 1) * hd]) {
+                        *d = w * y;
+                    }
+                }
+                Ok(())
+            })?;
         if let Some(k) = delivered.iter().position(|d| !d) {
             return Err(InferenceError::MissingExpert {
                 layer,
@@ -309,6 +327,7 @@ impl FeedForward for MoeFfn {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -26,12 +26,19 @@ pub enum WeightFormat {
     Bf16,
     /// FP8 e4m3fn values, one f32 `weight_scale_inv` per `[block_rows, block_cols]` block
     /// (edge blocks partial).
-    Fp8Block { block_rows: usize, block_cols: usize },
+    Fp8Block {
+        block_rows: usize,
+        block_cols: usize,
+    },
     /// 4-bit symmetric ints, 8 per little-endian i32 word (element c at bits 4(c%8)), stored as
     /// offset binary q+8; one scale per `group` consecutive columns.
-    Int4Group { group: usize },
+    Int4Group {
+        group: usize,
+    },
     /// E2M1 nibbles (element 2b = low nibble of byte b), one E8M0 scale per `group` columns.
-    Mxfp4 { group: usize },
+    Mxfp4 {
+        group: usize,
+    },
 }
 
 /// Element type of a scale tensor.
@@ -69,10 +76,15 @@ impl ScaleType {
     fn get(self, bytes: &[u8], i: usize) -> f32 {
         match self {
             ScaleType::None => 1.0,
-            ScaleType::F32 => {
-                f32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]])
+            ScaleType::F32 => f32::from_le_bytes([
+                bytes[4 * i],
+                bytes[4 * i + 1],
+                bytes[4 * i + 2],
+                bytes[4 * i + 3],
+            ]),
+            ScaleType::F16 => {
+                half::f16::from_bits(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])).to_f32()
             }
-            ScaleType::F16 => half::f16::from_bits(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])).to_f32(),
             ScaleType::Bf16 => bf16_to_f32(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])),
             ScaleType::E8m0 => e8m0_to_f32(bytes[i]),
         }
@@ -151,7 +163,10 @@ impl<'a> WeightMatrix<'a> {
         let (want_data, want_scale, want_st): (usize, usize, &[ScaleType]) = match format {
             WeightFormat::F32 => (rows * cols * 4, 0, &[ScaleType::None]),
             WeightFormat::F16 | WeightFormat::Bf16 => (rows * cols * 2, 0, &[ScaleType::None]),
-            WeightFormat::Fp8Block { block_rows, block_cols } => {
+            WeightFormat::Fp8Block {
+                block_rows,
+                block_cols,
+            } => {
                 if block_rows == 0 || block_cols == 0 {
                     return Err("FP8 block size must be > 0".into());
                 }
@@ -175,11 +190,17 @@ impl<'a> WeightMatrix<'a> {
                 if group == 0 {
                     return Err("MXFP4 group size must be > 0".into());
                 }
-                (rows * ceil_div(cols, 2), rows * ceil_div(cols, group), &[ScaleType::E8m0])
+                (
+                    rows * ceil_div(cols, 2),
+                    rows * ceil_div(cols, group),
+                    &[ScaleType::E8m0],
+                )
             }
         };
         if !want_st.contains(&scale_type) {
-            return Err(format!("scale type {scale_type:?} does not fit format {format:?}"));
+            return Err(format!(
+                "scale type {scale_type:?} does not fit format {format:?}"
+            ));
         }
         if data.len() != want_data {
             return Err(format!(
@@ -193,7 +214,14 @@ impl<'a> WeightMatrix<'a> {
                 scale.len()
             ));
         }
-        Ok(WeightMatrix { rows, cols, format, data, scale, scale_type })
+        Ok(WeightMatrix {
+            rows,
+            cols,
+            format,
+            data,
+            scale,
+            scale_type,
+        })
     }
 
     pub fn rows(&self) -> usize {
@@ -208,9 +236,17 @@ impl<'a> WeightMatrix<'a> {
 
     /// Rows `start..start+len` as their own matrix (row-aligned formats only slice the bytes;
     /// block FP8 needs `start` to be a multiple of the block height).
-    pub fn rows_slice(&self, start: usize, len: usize) -> std::result::Result<WeightMatrix<'a>, String> {
+    pub fn rows_slice(
+        &self,
+        start: usize,
+        len: usize,
+    ) -> std::result::Result<WeightMatrix<'a>, String> {
         if start + len > self.rows {
-            return Err(format!("rows {start}..{} out of {}", start + len, self.rows));
+            return Err(format!(
+                "rows {start}..{} out of {}",
+                start + len,
+                self.rows
+            ));
         }
         let sub = |bytes_per_row: usize, scale_per_row: usize| {
             WeightMatrix::new(
@@ -225,13 +261,21 @@ impl<'a> WeightMatrix<'a> {
         match self.format {
             WeightFormat::F32 => sub(self.cols * 4, 0),
             WeightFormat::F16 | WeightFormat::Bf16 => sub(self.cols * 2, 0),
-            WeightFormat::Int4Group { group } => {
-                sub(ceil_div(self.cols, 8) * 4, ceil_div(self.cols, group) * self.scale_type.size())
+            WeightFormat::Int4Group { group } => sub(
+                ceil_div(self.cols, 8) * 4,
+                ceil_div(self.cols, group) * self.scale_type.size(),
+            ),
+            WeightFormat::Mxfp4 { group } => {
+                sub(ceil_div(self.cols, 2), ceil_div(self.cols, group))
             }
-            WeightFormat::Mxfp4 { group } => sub(ceil_div(self.cols, 2), ceil_div(self.cols, group)),
-            WeightFormat::Fp8Block { block_rows, block_cols } => {
+            WeightFormat::Fp8Block {
+                block_rows,
+                block_cols,
+            } => {
                 if start % block_rows != 0 {
-                    return Err(format!("FP8 row split at {start} is not on a {block_rows}-row block"));
+                    return Err(format!(
+                        "FP8 row split at {start} is not on a {block_rows}-row block"
+                    ));
                 }
                 let sc = ceil_div(self.cols, block_cols) * self.scale_type.size();
                 let sr0 = start / block_rows;
@@ -271,12 +315,19 @@ impl<'a> WeightMatrix<'a> {
                     *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
                 }
             }
-            WeightFormat::Fp8Block { block_rows, block_cols } => {
+            WeightFormat::Fp8Block {
+                block_rows,
+                block_cols,
+            } => {
                 let lut = fp8_lut();
                 let row = &self.data[r * c..(r + 1) * c];
                 let sc = ceil_div(c, block_cols);
                 let sbase = (r / block_rows) * sc;
-                for (bi, (o, w)) in out.chunks_mut(block_cols).zip(row.chunks(block_cols)).enumerate() {
+                for (bi, (o, w)) in out
+                    .chunks_mut(block_cols)
+                    .zip(row.chunks(block_cols))
+                    .enumerate()
+                {
                     let s = self.scale_type.get(self.scale, sbase + bi);
                     for (o, &w) in o.iter_mut().zip(w) {
                         *o = lut[w as usize] * s;
@@ -311,7 +362,9 @@ impl<'a> WeightMatrix<'a> {
     /// The whole matrix as row-major f32 `[rows, cols]`.
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.rows * self.cols];
-        out.par_chunks_mut(self.cols.max(1)).enumerate().for_each(|(r, o)| self.decode_row(r, o));
+        out.par_chunks_mut(self.cols.max(1))
+            .enumerate()
+            .for_each(|(r, o)| self.decode_row(r, o));
         out
     }
 
@@ -342,15 +395,17 @@ impl<'a> WeightMatrix<'a> {
         }
         // Transposed scratch [rows, n] so that each task writes a contiguous range.
         let mut tmp = vec![0f32; rows * n];
-        tmp.par_chunks_mut(block * n).enumerate().for_each(|(bi, o)| {
-            let mut buf = vec![0f32; cols];
-            for (i, orow) in o.chunks_mut(n).enumerate() {
-                self.decode_row(bi * block + i, &mut buf);
-                for (t, v) in orow.iter_mut().enumerate() {
-                    *v = dot(&buf, &x[t * cols..(t + 1) * cols]);
+        tmp.par_chunks_mut(block * n)
+            .enumerate()
+            .for_each(|(bi, o)| {
+                let mut buf = vec![0f32; cols];
+                for (i, orow) in o.chunks_mut(n).enumerate() {
+                    self.decode_row(bi * block + i, &mut buf);
+                    for (t, v) in orow.iter_mut().enumerate() {
+                        *v = dot(&buf, &x[t * cols..(t + 1) * cols]);
+                    }
                 }
-            }
-        });
+            });
         for (r, trow) in tmp.chunks(n).enumerate() {
             for (t, &v) in trow.iter().enumerate() {
                 out[t * rows + r] = v;
@@ -391,7 +446,10 @@ pub struct QuantHints {
 
 impl Default for QuantHints {
     fn default() -> Self {
-        QuantHints { fp8_block: [128, 128], group_size: None }
+        QuantHints {
+            fp8_block: [128, 128],
+            group_size: None,
+        }
     }
 }
 
@@ -436,7 +494,11 @@ fn shape_err(name: String, expected: &[usize], got: &[u64]) -> InferenceError {
 }
 
 fn dtype_err(name: String, expected: &str, got: &Dtype) -> InferenceError {
-    InferenceError::TensorDtype { name, expected: expected.into(), got: got.to_string() }
+    InferenceError::TensorDtype {
+        name,
+        expected: expected.into(),
+        got: got.to_string(),
+    }
 }
 
 /// Resolve the matrix `prefix` (`[rows, cols]`) in whatever format the parts are stored.
@@ -454,7 +516,13 @@ pub(crate) fn resolve_matrix<'a>(
             Dtype::F32 => WeightFormat::F32,
             Dtype::F16 => WeightFormat::F16,
             Dtype::Bf16 => WeightFormat::Bf16,
-            ref d => return Err(dtype_err(n, "BF16, F16, F32 or F8_E4M3 (with weight_scale_inv)", d)),
+            ref d => {
+                return Err(dtype_err(
+                    n,
+                    "BF16, F16, F32 or F8_E4M3 (with weight_scale_inv)",
+                    d,
+                ))
+            }
         };
         if t.shape != [rows as u64, cols as u64] {
             return Err(shape_err(n, &[rows, cols], t.shape));
@@ -470,10 +538,15 @@ pub(crate) fn resolve_matrix<'a>(
             return Err(shape_err(wname, &[rows, cols], w.shape));
         }
         let sname = name(".weight_scale_inv");
-        let s = (parts.get)(&format!("{prefix}.weight_scale_inv"))?
-            .ok_or_else(|| InferenceError::MissingTensor { name: sname.clone() })?;
+        let s = (parts.get)(&format!("{prefix}.weight_scale_inv"))?.ok_or_else(|| {
+            InferenceError::MissingTensor {
+                name: sname.clone(),
+            }
+        })?;
         let st = match s.dtype {
-            Dtype::F32 | Dtype::Bf16 | Dtype::F16 => ScaleType::from_dtype(&s.dtype).unwrap_or(ScaleType::F32),
+            Dtype::F32 | Dtype::Bf16 | Dtype::F16 => {
+                ScaleType::from_dtype(&s.dtype).unwrap_or(ScaleType::F32)
+            }
             ref d => return Err(dtype_err(sname, "F32", d)),
         };
         let [br, bc] = hints.fp8_block;
@@ -484,7 +557,10 @@ pub(crate) fn resolve_matrix<'a>(
         return WeightMatrix::new(
             rows,
             cols,
-            WeightFormat::Fp8Block { block_rows: br, block_cols: bc },
+            WeightFormat::Fp8Block {
+                block_rows: br,
+                block_cols: bc,
+            },
             w.bytes,
             s.bytes,
             st,
@@ -494,14 +570,19 @@ pub(crate) fn resolve_matrix<'a>(
     if let Some(p) = (parts.get)(&format!("{prefix}.weight_packed"))? {
         let pname = name(".weight_packed");
         let sname = name(".weight_scale");
-        let s = (parts.get)(&format!("{prefix}.weight_scale"))?
-            .ok_or_else(|| InferenceError::MissingTensor { name: sname.clone() })?;
+        let s = (parts.get)(&format!("{prefix}.weight_scale"))?.ok_or_else(|| {
+            InferenceError::MissingTensor {
+                name: sname.clone(),
+            }
+        })?;
         if let Some(ws) = (parts.get)(&format!("{prefix}.weight_shape"))? {
             let wsname = name(".weight_shape");
             let vals: Vec<i64> = match ws.dtype {
-                Dtype::I64 => ws.bytes.chunks_exact(8).map(|b| {
-                    i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
-                }).collect(),
+                Dtype::I64 => ws
+                    .bytes
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+                    .collect(),
                 Dtype::I32 => ws
                     .bytes
                     .chunks_exact(4)
@@ -510,18 +591,28 @@ pub(crate) fn resolve_matrix<'a>(
                 ref d => return Err(dtype_err(wsname, "I32 or I64", d)),
             };
             if vals != [rows as i64, cols as i64] {
-                return Err(bad(wsname, format!("holds {vals:?}; expected [{rows}, {cols}]")));
+                return Err(bad(
+                    wsname,
+                    format!("holds {vals:?}; expected [{rows}, {cols}]"),
+                ));
             }
         }
         if s.shape.len() != 2 || s.shape[0] != rows as u64 || s.shape[1] == 0 {
-            return Err(shape_err(sname, &[rows, ceil_div(cols, hints.group_size.unwrap_or(32))], s.shape));
+            return Err(shape_err(
+                sname,
+                &[rows, ceil_div(cols, hints.group_size.unwrap_or(32))],
+                s.shape,
+            ));
         }
         let n_groups = s.shape[1] as usize;
         let group = match hints.group_size {
             Some(g) => g,
             None if cols % n_groups == 0 => cols / n_groups,
             None => {
-                return Err(bad(sname, format!("{n_groups} scale groups do not divide {cols} columns")))
+                return Err(bad(
+                    sname,
+                    format!("{n_groups} scale groups do not divide {cols} columns"),
+                ))
             }
         };
         if ceil_div(cols, group) != n_groups {
@@ -530,7 +621,9 @@ pub(crate) fn resolve_matrix<'a>(
         let (format, want_cols, st) = match p.dtype {
             Dtype::I32 => {
                 let st = match s.dtype {
-                    Dtype::F32 | Dtype::Bf16 | Dtype::F16 => ScaleType::from_dtype(&s.dtype).unwrap_or(ScaleType::F32),
+                    Dtype::F32 | Dtype::Bf16 | Dtype::F16 => {
+                        ScaleType::from_dtype(&s.dtype).unwrap_or(ScaleType::F32)
+                    }
                     ref d => return Err(dtype_err(sname, "BF16, F16 or F32", d)),
                 };
                 (WeightFormat::Int4Group { group }, ceil_div(cols, 8), st)
@@ -539,20 +632,33 @@ pub(crate) fn resolve_matrix<'a>(
                 if s.dtype != Dtype::U8 {
                     return Err(dtype_err(sname, "U8 (E8M0)", &s.dtype));
                 }
-                (WeightFormat::Mxfp4 { group }, ceil_div(cols, 2), ScaleType::E8m0)
+                (
+                    WeightFormat::Mxfp4 { group },
+                    ceil_div(cols, 2),
+                    ScaleType::E8m0,
+                )
             }
-            ref d => return Err(dtype_err(pname, "I32 (INT4 pack-quantized) or U8 (MXFP4)", d)),
+            ref d => {
+                return Err(dtype_err(
+                    pname,
+                    "I32 (INT4 pack-quantized) or U8 (MXFP4)",
+                    d,
+                ))
+            }
         };
         if p.shape != [rows as u64, want_cols as u64] {
             return Err(shape_err(pname, &[rows, want_cols], p.shape));
         }
-        return WeightMatrix::new(rows, cols, format, p.bytes, s.bytes, st).map_err(|r| bad(pname, r));
+        return WeightMatrix::new(rows, cols, format, p.bytes, s.bytes, st)
+            .map_err(|r| bad(pname, r));
     }
     // Fused expert slices (`gate_up_proj`, `down_proj`) carry no `.weight` suffix.
     if let Some(t) = (parts.get)(prefix)? {
         return dense(t, name(""));
     }
-    Err(InferenceError::MissingTensor { name: name(".weight") })
+    Err(InferenceError::MissingTensor {
+        name: name(".weight"),
+    })
 }
 
 /// A weight matrix owning its bytes (resident weights), with an optional f32 bias.
@@ -590,7 +696,15 @@ impl Linear {
             )));
         }
         let data: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        Ok(Linear { rows, cols, format: WeightFormat::F32, data, scale: Vec::new(), scale_type: ScaleType::None, bias: None })
+        Ok(Linear {
+            rows,
+            cols,
+            format: WeightFormat::F32,
+            data,
+            scale: Vec::new(),
+            scale_type: ScaleType::None,
+            bias: None,
+        })
     }
 
     pub fn view(&self) -> WeightMatrix<'_> {
@@ -637,8 +751,16 @@ impl Linear {
 /// Convert a float tensor (F32/F16/BF16) of any shape to f32.
 pub fn tensor_to_f32(t: &TensorRef<'_>, name: &str) -> Result<Vec<f32>> {
     let out: Vec<f32> = match t.dtype {
-        Dtype::F32 => t.bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::Bf16 => t.bytes.chunks_exact(2).map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect(),
+        Dtype::F32 => t
+            .bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::Bf16 => t
+            .bytes
+            .chunks_exact(2)
+            .map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
         Dtype::F16 => t
             .bytes
             .chunks_exact(2)
@@ -667,10 +789,21 @@ pub fn dequantize(
     let prefix = name.strip_suffix(".weight").unwrap_or(name);
     let get = |n: &str| crate::weights::try_tensor(src, n);
     let full = |n: &str| n.to_string();
-    Ok(resolve_matrix(&MatrixParts { get: &get, full_name: &full }, prefix, rows, cols, hints)?.to_f32())
+    Ok(resolve_matrix(
+        &MatrixParts {
+            get: &get,
+            full_name: &full,
+        },
+        prefix,
+        rows,
+        cols,
+        hints,
+    )?
+    .to_f32())
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -690,8 +823,12 @@ mod tests {
     #[test]
     fn matmul_matches_naive() {
         let (rows, cols, n) = (37, 19, 5);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1).collect();
-        let x: Vec<f32> = (0..n * cols).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2).collect();
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.1)
+            .collect();
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.2)
+            .collect();
         let lin = Linear::from_f32(rows, cols, &w).unwrap();
         let got = lin.forward(&x, n);
         for t in 0..n {
@@ -715,7 +852,15 @@ mod tests {
         }
         let data = word.to_le_bytes();
         let scale = half::bf16::from_f32(0.5).to_bits().to_le_bytes();
-        let m = WeightMatrix::new(1, 8, WeightFormat::Int4Group { group: 8 }, &data, &scale, ScaleType::Bf16).unwrap();
+        let m = WeightMatrix::new(
+            1,
+            8,
+            WeightFormat::Int4Group { group: 8 },
+            &data,
+            &scale,
+            ScaleType::Bf16,
+        )
+        .unwrap();
         let mut out = [0f32; 8];
         m.decode_row(0, &mut out);
         let want: Vec<f32> = qs.iter().map(|&q| q as f32 * 0.5).collect();
@@ -723,11 +868,21 @@ mod tests {
         // MXFP4: bytes 0x9_2 -> elements (low=2 -> 1.0, high=0x9 -> -0.5), scale 2^1
         let data = [0x92u8];
         let scale = [128u8];
-        let m = WeightMatrix::new(1, 2, WeightFormat::Mxfp4 { group: 32 }, &data, &scale, ScaleType::E8m0).unwrap();
+        let m = WeightMatrix::new(
+            1,
+            2,
+            WeightFormat::Mxfp4 { group: 32 },
+            &data,
+            &scale,
+            ScaleType::E8m0,
+        )
+        .unwrap();
         let mut out = [0f32; 2];
         m.decode_row(0, &mut out);
         assert_eq!(out, [2.0, -1.0]);
         // Length checks refuse short buffers.
-        assert!(WeightMatrix::new(2, 8, WeightFormat::Bf16, &[0u8; 30], &[], ScaleType::None).is_err());
+        assert!(
+            WeightMatrix::new(2, 8, WeightFormat::Bf16, &[0u8; 30], &[], ScaleType::None).is_err()
+        );
     }
 }

@@ -18,13 +18,26 @@ impl<'a> Loader<'a> {
         let src = self.src;
         let get = |n: &str| try_tensor(src, n);
         let full = |n: &str| n.to_string();
-        resolve_matrix(&MatrixParts { get: &get, full_name: &full }, prefix, rows, cols, &self.hints)
+        resolve_matrix(
+            &MatrixParts {
+                get: &get,
+                full_name: &full,
+            },
+            prefix,
+            rows,
+            cols,
+            &self.hints,
+        )
     }
 
     /// An owned linear layer, with `{prefix}.bias` when `bias`.
     pub fn linear(&self, prefix: &str, rows: usize, cols: usize, bias: bool) -> Result<Linear> {
         let m = self.matrix(prefix, rows, cols)?;
-        let b = if bias { Some(self.vector(&format!("{prefix}.bias"), rows)?) } else { None };
+        let b = if bias {
+            Some(self.vector(&format!("{prefix}.bias"), rows)?)
+        } else {
+            None
+        };
         Ok(Linear::from_matrix(&m, b))
     }
 
@@ -58,11 +71,24 @@ pub(crate) fn expert_matrix<'v>(
 ) -> Result<WeightMatrix<'v>> {
     let get = |n: &str| Ok(view.part(n));
     let full = |n: &str| format!("model.layers.{layer}.mlp.experts.{expert}.{n}");
-    resolve_matrix(&MatrixParts { get: &get, full_name: &full }, part, rows, cols, hints).map_err(|e| match e {
+    resolve_matrix(
+        &MatrixParts {
+            get: &get,
+            full_name: &full,
+        },
+        part,
+        rows,
+        cols,
+        hints,
+    )
+    .map_err(|e| match e {
         InferenceError::MissingTensor { name } => InferenceError::MissingExpert {
             layer,
             expert,
-            reason: format!("part `{name}` is missing (parts present: {:?})", view.part_names()),
+            reason: format!(
+                "part `{name}` is missing (parts present: {:?})",
+                view.part_names()
+            ),
         },
         e => e,
     })

@@ -115,7 +115,10 @@ impl Session {
     /// Roll back to the first `len` positions (speculative decoding); nothing is copied.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len > self.len {
-            return Err(InferenceError::Truncate { len: self.len, requested: len });
+            return Err(InferenceError::Truncate {
+                len: self.len,
+                requested: len,
+            });
         }
         for s in &mut self.states {
             s.truncate(len)?;
@@ -208,7 +211,11 @@ impl Model {
 
     /// A fresh, empty sequence.
     pub fn new_session(&self) -> Session {
-        Session { model_id: self.id, states: self.layers.iter().map(|l| l.mixer.new_state()).collect(), len: 0 }
+        Session {
+            model_id: self.id,
+            states: self.layers.iter().map(|l| l.mixer.new_state()).collect(),
+            len: 0,
+        }
     }
 
     /// Process `tokens` at positions `session.len()..` (a prompt chunk, a verification batch or
@@ -232,7 +239,9 @@ impl Model {
         trace: Option<&mut ForwardTrace>,
     ) -> Result<Logits> {
         if session.model_id != self.id || session.states.len() != self.layers.len() {
-            return Err(InferenceError::StateMismatch("the session was created by another model".into()));
+            return Err(InferenceError::StateMismatch(
+                "the session was created by another model".into(),
+            ));
         }
         let start = session.len;
         let result = self.forward_inner(session, tokens, mode, trace);
@@ -269,7 +278,11 @@ impl Model {
         let hd = self.hidden_size();
         for (index, &t) in tokens.iter().enumerate() {
             if t as usize >= vocab {
-                return Err(InferenceError::TokenOutOfRange { token: t, index, vocab_size: vocab });
+                return Err(InferenceError::TokenOutOfRange {
+                    token: t,
+                    index,
+                    vocab_size: vocab,
+                });
             }
         }
         // Embeddings [n, hidden]
@@ -286,21 +299,30 @@ impl Model {
         let mut streams = self.residual.init(emb);
         for (li, layer) in self.layers.iter().enumerate() {
             let state = &mut *session.states[li];
-            let x = layer.input_layernorm.apply(&self.residual.block_input(li, 0, &streams));
+            let x = layer
+                .input_layernorm
+                .apply(&self.residual.block_input(li, 0, &streams));
             let y = layer.mixer.forward(&x, n, state)?;
             self.residual.block_output(li, 0, &mut streams, &y);
 
-            let x = layer.post_attention_layernorm.apply(&self.residual.block_input(li, 1, &streams));
+            let x = layer
+                .post_attention_layernorm
+                .apply(&self.residual.block_input(li, 1, &streams));
             let mut routing = Vec::new();
             let mut ctx = FfnContext {
                 source: &*self.source,
                 layer: layer.index,
-                routing: if trace.is_some() { Some(&mut routing) } else { None },
+                routing: if trace.is_some() {
+                    Some(&mut routing)
+                } else {
+                    None
+                },
             };
             let y = layer.ffn.forward(&x, n, &mut ctx)?;
             self.residual.block_output(li, 1, &mut streams, &y);
             if let Some(tr) = trace.as_deref_mut() {
-                tr.hidden_states.push(self.residual.output(&streams).into_owned());
+                tr.hidden_states
+                    .push(self.residual.output(&streams).into_owned());
                 if !routing.is_empty() {
                     tr.routing.push((layer.index, routing));
                 }
@@ -310,10 +332,20 @@ impl Model {
         let (rows, hs): (usize, &[f32]) = match mode {
             LogitsMode::All => (n, &h),
             LogitsMode::Last => (1, &h[(n - 1) * hd..]),
-            LogitsMode::None => return Ok(Logits { rows: 0, vocab, data: Vec::new() }),
+            LogitsMode::None => {
+                return Ok(Logits {
+                    rows: 0,
+                    vocab,
+                    data: Vec::new(),
+                })
+            }
         };
         let x = self.norm.apply(hs);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(Logits { rows, vocab, data: head.forward(&x, rows) })
+        Ok(Logits {
+            rows,
+            vocab,
+            data: head.forward(&x, rows),
+        })
     }
 }

@@ -23,7 +23,10 @@ impl RmsNorm {
                 got: t.shape.to_vec(),
             });
         }
-        Ok(RmsNorm { weight: tensor_to_f32(&t, name)?, eps: eps as f32 })
+        Ok(RmsNorm {
+            weight: tensor_to_f32(&t, name)?,
+            eps: eps as f32,
+        })
     }
 
     pub fn dim(&self) -> usize {
@@ -87,7 +90,8 @@ pub fn erf(x: f64) -> f64 {
                         + t * (-0.186_288_06
                             + t * (0.278_868_07
                                 + t * (-1.135_203_98
-                                    + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+                                    + t * (1.488_515_87
+                                        + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
             .exp();
     if x >= 0.0 {
         1.0 - r
@@ -106,7 +110,9 @@ impl Activation for HiddenAct {
     fn apply(&self, x: f32) -> f32 {
         match self {
             HiddenAct::Silu => x * sigmoid(x),
-            HiddenAct::Gelu => (0.5 * x as f64 * (1.0 + erf(x as f64 / std::f64::consts::SQRT_2))) as f32,
+            HiddenAct::Gelu => {
+                (0.5 * x as f64 * (1.0 + erf(x as f64 / std::f64::consts::SQRT_2))) as f32
+            }
             HiddenAct::GeluTanh => {
                 let c = (2.0f32 / std::f32::consts::PI).sqrt();
                 0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
@@ -117,6 +123,7 @@ impl Activation for HiddenAct {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -41,12 +41,18 @@ impl Rope {
         layout: RopeLayout,
     ) -> Result<Rope> {
         if dim == 0 || dim % 2 != 0 {
-            return Err(ConfigError::invalid("rope dim", format!("rotary dimension {dim} must be even and > 0")).into());
+            return Err(ConfigError::invalid(
+                "rope dim",
+                format!("rotary dimension {dim} must be even and > 0"),
+            )
+            .into());
         }
         let base = p.rope_theta as f32;
         let half = dim / 2;
         // base ** (arange(0, dim, 2) / dim), in f32.
-        let pos_freqs: Vec<f32> = (0..half).map(|i| base.powf((2 * i) as f32 / dim as f32)).collect();
+        let pos_freqs: Vec<f32> = (0..half)
+            .map(|i| base.powf((2 * i) as f32 / dim as f32))
+            .collect();
         let default: Vec<f32> = pos_freqs.iter().map(|&f| 1.0 / f).collect();
         let (inv_freq, attention_factor) = match p.rope_type.as_str() {
             "default" => (default, 1.0f64),
@@ -55,7 +61,9 @@ impl Rope {
                 (default.iter().map(|f| f / factor).collect(), 1.0)
             }
             "yarn" => {
-                let orig = p.original_max_position_embeddings.unwrap_or(max_position_embeddings as f64);
+                let orig = p
+                    .original_max_position_embeddings
+                    .unwrap_or(max_position_embeddings as f64);
                 let factor = match p.factor {
                     Some(f) => f,
                     None => max_position_embeddings as f64 / orig,
@@ -121,10 +129,17 @@ impl Rope {
                 (inv, 1.0)
             }
             other => {
-                return Err(ConfigError::unsupported("rope_type", format!("rope type `{other}`")).into())
+                return Err(
+                    ConfigError::unsupported("rope_type", format!("rope type `{other}`")).into(),
+                )
             }
         };
-        Ok(Rope { dim, inv_freq, attention_factor: attention_factor as f32, layout })
+        Ok(Rope {
+            dim,
+            inv_freq,
+            attention_factor: attention_factor as f32,
+            layout,
+        })
     }
 
     pub fn dim(&self) -> usize {
@@ -184,6 +199,7 @@ impl Rope {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -216,7 +232,9 @@ mod tests {
         let d = 64usize;
         let r = Rope::new(&p, d, 163840, RopeLayout::Interleaved).unwrap();
         let base = 10000f64;
-        let cd = |rot: f64| d as f64 * (4096.0 / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+        let cd = |rot: f64| {
+            d as f64 * (4096.0 / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+        };
         let low = cd(32.0).floor().max(0.0);
         let high = cd(1.0).ceil().min(d as f64 - 1.0);
         for i in 0..d / 2 {

@@ -22,7 +22,11 @@ pub struct TensorRef<'a> {
 
 impl<'a> TensorRef<'a> {
     pub fn new(dtype: Dtype, shape: &'a [u64], bytes: &'a [u8]) -> Self {
-        TensorRef { dtype, shape, bytes }
+        TensorRef {
+            dtype,
+            shape,
+            bytes,
+        }
     }
 
     /// Number of elements the shape declares.
@@ -53,7 +57,10 @@ impl<'a> ExpertView<'a> {
 
     /// The part named `name` (`gate_proj.weight`, `gate_up_proj`, ...).
     pub fn part(&self, name: &str) -> Option<TensorRef<'a>> {
-        self.parts.iter().find(|p| p.name == name).map(|p| p.tensor.clone())
+        self.parts
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.tensor.clone())
     }
 
     pub fn parts(&self) -> &[ExpertPartRef<'a>] {
@@ -97,7 +104,10 @@ pub trait WeightSource: Send + Sync {
 }
 
 /// A resident tensor if it exists; other errors pass through.
-pub(crate) fn try_tensor<'a>(src: &'a dyn WeightSource, name: &str) -> Result<Option<TensorRef<'a>>> {
+pub(crate) fn try_tensor<'a>(
+    src: &'a dyn WeightSource,
+    name: &str,
+) -> Result<Option<TensorRef<'a>>> {
     match src.tensor(name) {
         Ok(t) => Ok(Some(t)),
         Err(InferenceError::MissingTensor { .. }) => Ok(None),
@@ -143,9 +153,15 @@ impl WeightSource for DirSource {
         let t = self
             .ckpt
             .get(name)
-            .ok_or_else(|| InferenceError::MissingTensor { name: name.to_string() })?;
+            .ok_or_else(|| InferenceError::MissingTensor {
+                name: name.to_string(),
+            })?;
         let bytes = self.ckpt.slice(t.file, t.info.offset, t.info.len);
-        Ok(TensorRef { dtype: t.info.dtype.clone(), shape: &t.info.shape, bytes })
+        Ok(TensorRef {
+            dtype: t.info.dtype.clone(),
+            shape: &t.info.shape,
+            bytes,
+        })
     }
 
     fn with_experts(

@@ -52,8 +52,7 @@ impl MixerState for KvCache {
     }
     fn truncate(&mut self, len: usize) -> Result<()> {
         check_truncate(self.len, len)?;
-        if self.len > 0 {
-            let w = self.k.len() / self.len;
+        if let Some(w) = self.k.len().checked_div(self.len) {
             self.k.truncate(len * w);
             self.v.truncate(len * w);
         }

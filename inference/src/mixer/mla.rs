@@ -81,9 +81,10 @@ impl MixerState for MlaCache {
     }
     fn truncate(&mut self, len: usize) -> Result<()> {
         check_truncate(self.len, len)?;
-        if self.len > 0 {
-            let l = self.latent.len() / self.len;
-            let r = self.k_rope.len() / self.len;
+        if let (Some(l), Some(r)) = (
+            self.latent.len().checked_div(self.len),
+            self.k_rope.len().checked_div(self.len),
+        ) {
             self.latent.truncate(len * l);
             self.k_rope.truncate(len * r);
         }
@@ -125,8 +126,13 @@ impl TokenMixer for MlaAttention {
 
     fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>> {
         let cache = state_as::<MlaCache>(state, "MLA attention")?;
-        let (h_n, nope, rd, vd, kl) =
-            (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank);
+        let (h_n, nope, rd, vd, kl) = (
+            self.num_heads,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.kv_lora_rank,
+        );
         let qk = nope + rd;
         let start = cache.len;
 

@@ -45,11 +45,13 @@ pub trait TokenMixer: Send + Sync + std::fmt::Debug {
 }
 
 /// Downcast a state to the concrete type its mixer expects.
-pub(crate) fn state_as<'s, T: MixerState>(state: &'s mut dyn MixerState, who: &str) -> Result<&'s mut T> {
-    state
-        .as_any_mut()
-        .downcast_mut::<T>()
-        .ok_or_else(|| InferenceError::StateMismatch(format!("{who} was given another mixer's state")))
+pub(crate) fn state_as<'s, T: MixerState>(
+    state: &'s mut dyn MixerState,
+    who: &str,
+) -> Result<&'s mut T> {
+    state.as_any_mut().downcast_mut::<T>().ok_or_else(|| {
+        InferenceError::StateMismatch(format!("{who} was given another mixer's state"))
+    })
 }
 
 pub(crate) fn check_truncate(len: usize, requested: usize) -> Result<()> {

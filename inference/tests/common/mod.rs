@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use deltafin_storage::safetensors::{self, Dtype};
 
 pub fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/fixtures")
+        .join(name)
 }
 
 /// A safetensors file read fully into memory.
@@ -27,24 +29,40 @@ impl Reference {
     }
 
     pub fn shape(&self, name: &str) -> Vec<usize> {
-        self.header.get(name).unwrap_or_else(|| panic!("no {name}")).shape.iter().map(|&d| d as usize).collect()
+        self.header
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .shape
+            .iter()
+            .map(|&d| d as usize)
+            .collect()
     }
 
     fn raw(&self, name: &str) -> (&Dtype, &[u8]) {
-        let t = self.header.get(name).unwrap_or_else(|| panic!("reference has no `{name}`"));
-        (&t.dtype, &self.bytes[t.offset as usize..(t.offset + t.len) as usize])
+        let t = self
+            .header
+            .get(name)
+            .unwrap_or_else(|| panic!("reference has no `{name}`"));
+        (
+            &t.dtype,
+            &self.bytes[t.offset as usize..(t.offset + t.len) as usize],
+        )
     }
 
     pub fn f32(&self, name: &str) -> Vec<f32> {
         let (d, b) = self.raw(name);
         assert_eq!(*d, Dtype::F32, "{name}");
-        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
     }
 
     pub fn i64(&self, name: &str) -> Vec<i64> {
         let (d, b) = self.raw(name);
         assert_eq!(*d, Dtype::I64, "{name}");
-        b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+        b.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 
     pub fn metadata(&self, key: &str) -> Option<&str> {
@@ -55,7 +73,10 @@ impl Reference {
 /// max |a - b|
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 pub fn max_abs(a: &[f32]) -> f32 {
