@@ -1,6 +1,9 @@
 //! Shared test helpers: fixture paths, reference tensors, tolerance checks.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod naive;
+pub mod synth;
+
 use std::path::{Path, PathBuf};
 
 use deltafin_storage::safetensors::{self, Dtype};
