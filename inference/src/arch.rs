@@ -108,10 +108,6 @@ fn build_deepseek_v3(
                 QProj::Direct(ld.linear(&format!("{a}.q_proj"), heads * (nope + rd), hd, false)?)
             }
         };
-        let kv_b = ld
-            .matrix(&format!("{a}.kv_b_proj"), heads * (nope + vd), kl)?
-            .to_f32();
-        let (w_uk, w_uv) = MlaAttention::split_kv_b(&kv_b, heads, nope, vd, kl);
         let mixer = MlaAttention {
             num_heads: heads,
             qk_nope_head_dim: nope,
@@ -121,8 +117,7 @@ fn build_deepseek_v3(
             q,
             kv_a_proj_with_mqa: ld.linear(&format!("{a}.kv_a_proj_with_mqa"), kl + rd, hd, bias)?,
             kv_a_layernorm: ld.norm(&format!("{a}.kv_a_layernorm.weight"), kl, 1e-6)?,
-            w_uk,
-            w_uv,
+            kv_b_proj: ld.linear(&format!("{a}.kv_b_proj"), heads * (nope + vd), kl, false)?,
             o_proj: ld.linear(&format!("{a}.o_proj"), hd, heads * vd, bias)?,
             rope: rope.clone(),
             softmax_scale: scale,

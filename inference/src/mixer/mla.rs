@@ -11,7 +11,8 @@
 //! y = o_proj(out)                                                     [n, hidden]
 //! ```
 //! The cache holds only the compressed latent and the rope key per position; `kv_b_proj` is
-//! absorbed into the query and the output (mathematically identical to expanding K and V).
+//! absorbed into the query and the output (mathematically identical to expanding K and V). It
+//! stays in its stored format; each head's rows are decoded once per call.
 
 use rayon::prelude::*;
 
@@ -54,10 +55,9 @@ pub struct MlaAttention {
     /// `[kv_lora + rope, hidden]`
     pub kv_a_proj_with_mqa: Linear,
     pub kv_a_layernorm: RmsNorm,
-    /// `[H, nope, kv_lora]` (rows of kv_b_proj producing k_nope).
-    pub w_uk: Vec<f32>,
-    /// `[H, v, kv_lora]` (rows of kv_b_proj producing v).
-    pub w_uv: Vec<f32>,
+    /// `[H * (nope + v), kv_lora]`: per head, `nope` rows producing k_nope then `v` rows
+    /// producing the value.
+    pub kv_b_proj: Linear,
     /// `[hidden, H * v]`
     pub o_proj: Linear,
     pub rope: Rope,
@@ -99,26 +99,6 @@ impl MixerState for MlaCache {
     }
 }
 
-impl MlaAttention {
-    /// Split `kv_b_proj` (`[H*(nope+v), kv_lora]` row-major f32) into `W_uk` and `W_uv`.
-    pub fn split_kv_b(
-        kv_b: &[f32],
-        heads: usize,
-        nope: usize,
-        v: usize,
-        kv_lora: usize,
-    ) -> (Vec<f32>, Vec<f32>) {
-        let mut w_uk = Vec::with_capacity(heads * nope * kv_lora);
-        let mut w_uv = Vec::with_capacity(heads * v * kv_lora);
-        for h in 0..heads {
-            let base = h * (nope + v) * kv_lora;
-            w_uk.extend_from_slice(&kv_b[base..base + nope * kv_lora]);
-            w_uv.extend_from_slice(&kv_b[base + nope * kv_lora..base + (nope + v) * kv_lora]);
-        }
-        (w_uk, w_uv)
-    }
-}
-
 impl TokenMixer for MlaAttention {
     fn new_state(&self) -> Box<dyn MixerState> {
         Box::new(MlaCache::default())
@@ -150,42 +130,60 @@ impl TokenMixer for MlaAttention {
         cache.len = start + n;
         let cache: &MlaCache = cache;
 
-        // One task per (position, head): [n * H, v]
+        // One task per head: decode its kv_b_proj rows once, then serve every new position.
+        let kv_b = self.kv_b_proj.view();
+        let per_head: Vec<Vec<f32>> = (0..h_n)
+            .into_par_iter()
+            .map(|h| {
+                let mut w = vec![0f32; (nope + vd) * kl];
+                for (r, row) in w.chunks_mut(kl).enumerate() {
+                    kv_b.decode_row(h * (nope + vd) + r, row);
+                }
+                let (w_uk, w_uv) = w.split_at(nope * kl); // [nope, kl], [v, kl]
+                let mut out = vec![0f32; n * vd];
+                let mut q_abs = vec![0f32; kl];
+                let mut ctx = vec![0f32; kl];
+                for (t, o) in out.chunks_mut(vd).enumerate() {
+                    let pos = start + t;
+                    let qh = &q[(t * h_n + h) * qk..(t * h_n + h + 1) * qk];
+                    let mut q_pe = qh[nope..].to_vec();
+                    self.rope.apply(&mut q_pe, pos);
+                    // q_abs[c] = sum_d q_nope[d] * W_uk[d, c]
+                    q_abs.iter_mut().for_each(|a| *a = 0.0);
+                    for (d, &qd) in qh[..nope].iter().enumerate() {
+                        for (a, &wv) in q_abs.iter_mut().zip(&w_uk[d * kl..(d + 1) * kl]) {
+                            *a += qd * wv;
+                        }
+                    }
+                    let mut scores: Vec<f32> = (0..=pos)
+                        .map(|j| {
+                            let s = dot(&q_abs, &cache.latent[j * kl..(j + 1) * kl])
+                                + dot(&q_pe, &cache.k_rope[j * rd..(j + 1) * rd]);
+                            s * self.softmax_scale
+                        })
+                        .collect();
+                    crate::ops::softmax_inplace(&mut scores);
+                    ctx.iter_mut().for_each(|c| *c = 0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        for (c, &l) in ctx.iter_mut().zip(&cache.latent[j * kl..(j + 1) * kl]) {
+                            *c += p * l;
+                        }
+                    }
+                    for (dv, ov) in o.iter_mut().enumerate() {
+                        *ov = dot(&w_uv[dv * kl..(dv + 1) * kl], &ctx);
+                    }
+                }
+                out
+            })
+            .collect();
+        // [n, H, v]
         let mut attn = vec![0f32; n * h_n * vd];
-        attn.par_chunks_mut(vd).enumerate().for_each(|(idx, out)| {
-            let (t, h) = (idx / h_n, idx % h_n);
-            let pos = start + t;
-            let qh = &q[(t * h_n + h) * qk..(t * h_n + h + 1) * qk];
-            let mut q_pe = qh[nope..].to_vec();
-            self.rope.apply(&mut q_pe, pos);
-            // Absorb W_uk: q_abs[c] = sum_d q_nope[d] * W_uk[h, d, c]
-            let mut q_abs = vec![0f32; kl];
-            let wuk = &self.w_uk[h * nope * kl..(h + 1) * nope * kl];
-            for (d, &qd) in qh[..nope].iter().enumerate() {
-                for (a, &w) in q_abs.iter_mut().zip(&wuk[d * kl..(d + 1) * kl]) {
-                    *a += qd * w;
-                }
+        for (h, out) in per_head.iter().enumerate() {
+            for t in 0..n {
+                attn[(t * h_n + h) * vd..(t * h_n + h + 1) * vd]
+                    .copy_from_slice(&out[t * vd..(t + 1) * vd]);
             }
-            let len = pos + 1;
-            let mut scores: Vec<f32> = (0..len)
-                .map(|j| {
-                    let s = dot(&q_abs, &cache.latent[j * kl..(j + 1) * kl])
-                        + dot(&q_pe, &cache.k_rope[j * rd..(j + 1) * rd]);
-                    s * self.softmax_scale
-                })
-                .collect();
-            crate::ops::softmax_inplace(&mut scores);
-            let mut ctx = vec![0f32; kl];
-            for (j, &p) in scores.iter().enumerate() {
-                for (c, &l) in ctx.iter_mut().zip(&cache.latent[j * kl..(j + 1) * kl]) {
-                    *c += p * l;
-                }
-            }
-            let wuv = &self.w_uv[h * vd * kl..(h + 1) * vd * kl];
-            for (dv, o) in out.iter_mut().enumerate() {
-                *o = dot(&wuv[dv * kl..(dv + 1) * kl], &ctx);
-            }
-        });
+        }
         Ok(self.o_proj.forward(&attn, n))
     }
 }
