@@ -188,10 +188,20 @@ impl RopeParameters {
         match p.rope_type.as_str() {
             "default" => {}
             "linear" | "yarn" | "llama3" => {
-                let factor = p.factor.ok_or_else(|| ConfigError::MissingField {
-                    model_type: f.model_type.to_string(),
-                    field: name("factor"),
-                })?;
+                // YaRN may omit `factor` when it can be derived from
+                // max_position_embeddings / original_max_position_embeddings.
+                let derivable =
+                    p.rope_type == "yarn" && p.original_max_position_embeddings.is_some();
+                let factor = match p.factor {
+                    Some(f) => f,
+                    None if derivable => 1.0,
+                    None => {
+                        return Err(ConfigError::MissingField {
+                            model_type: f.model_type.to_string(),
+                            field: name("factor"),
+                        })
+                    }
+                };
                 if !(factor.is_finite() && factor > 0.0) {
                     return Err(ConfigError::invalid(
                         name("factor"),
@@ -212,6 +222,22 @@ impl RopeParameters {
                     name("rope_type"),
                     format!("rope type `{other}` (supported: default, linear, yarn, llama3)"),
                 ))
+            }
+        }
+        if let Some(o) = p.original_max_position_embeddings {
+            if !(o.is_finite() && o > 0.0) {
+                return Err(ConfigError::invalid(
+                    name("original_max_position_embeddings"),
+                    "must be > 0",
+                ));
+            }
+        }
+        for (k, v) in [("beta_fast", p.beta_fast), ("beta_slow", p.beta_slow)] {
+            if v.is_some_and(|b| !(b.is_finite() && b >= 0.0)) {
+                return Err(ConfigError::invalid(
+                    name(k),
+                    "must be a finite number >= 0",
+                ));
             }
         }
         if !(p.rope_theta.is_finite() && p.rope_theta > 1.0) {
