@@ -132,7 +132,10 @@ fn fp8_lut() -> &'static [f32; 256] {
     })
 }
 
-const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+/// E2M1 nibble -> value (bit 3 is the sign).
+const MXFP4_LUT: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
 
 /// A weight matrix borrowing its bytes. Constructed only through checked constructors, so the
 /// byte lengths always match the shape and every kernel indexes in bounds.
@@ -337,25 +340,33 @@ impl<'a> WeightMatrix<'a> {
             WeightFormat::Int4Group { group } => {
                 let words = ceil_div(c, 8);
                 let row = &self.data[r * words * 4..(r + 1) * words * 4];
-                let groups = ceil_div(c, group);
-                for (i, o) in out.iter_mut().enumerate() {
-                    let w = &row[(i / 8) * 4..(i / 8) * 4 + 4];
+                for (w, o) in row.chunks_exact(4).zip(out.chunks_mut(8)) {
                     let word = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
-                    let nib = ((word >> (4 * (i % 8))) & 0xf) as i32 - 8;
-                    *o = nib as f32 * self.scale_type.get(self.scale, r * groups + i / group);
+                    for (k, o) in o.iter_mut().enumerate() {
+                        *o = (((word >> (4 * k)) & 0xf) as i32 - 8) as f32;
+                    }
                 }
+                self.scale_groups(r, group, out);
             }
             WeightFormat::Mxfp4 { group } => {
                 let row = &self.data[r * ceil_div(c, 2)..(r + 1) * ceil_div(c, 2)];
-                let groups = ceil_div(c, group);
-                for (i, o) in out.iter_mut().enumerate() {
-                    let b = row[i / 2];
-                    let nib = if i % 2 == 0 { b & 0xf } else { b >> 4 };
-                    let mag = E2M1[(nib & 7) as usize];
-                    let v = if nib & 8 != 0 { -mag } else { mag };
-                    *o = v * e8m0_to_f32(self.scale[r * groups + i / group]);
+                for (&b, o) in row.iter().zip(out.chunks_mut(2)) {
+                    o[0] = MXFP4_LUT[(b & 0xf) as usize];
+                    if let Some(hi) = o.get_mut(1) {
+                        *hi = MXFP4_LUT[(b >> 4) as usize];
+                    }
                 }
+                self.scale_groups(r, group, out);
             }
+        }
+    }
+
+    /// Multiply each `group`-column run of row `r` by its scale.
+    fn scale_groups(&self, r: usize, group: usize, out: &mut [f32]) {
+        let groups = ceil_div(self.cols, group);
+        for (g, chunk) in out.chunks_mut(group).enumerate() {
+            let s = self.scale_type.get(self.scale, r * groups + g);
+            chunk.iter_mut().for_each(|v| *v *= s);
         }
     }
 
