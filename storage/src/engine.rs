@@ -286,6 +286,8 @@ pub struct Engine {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     threads_per_drive: usize,
+    /// Kept to fail leftover jobs at shutdown.
+    receivers: Vec<(Receiver<Job>, Receiver<Job>)>,
 }
 
 impl Engine {
@@ -345,7 +347,7 @@ impl Engine {
             index,
         });
         let mut workers = Vec::new();
-        for (d, (drx, prx)) in receivers.into_iter().enumerate() {
+        for (d, (drx, prx)) in receivers.iter().enumerate() {
             for t in 0..config.threads_per_drive {
                 let shared = shared.clone();
                 let (drx, prx) = (drx.clone(), prx.clone());
@@ -360,6 +362,7 @@ impl Engine {
             shared,
             workers,
             threads_per_drive: config.threads_per_drive,
+            receivers,
         })
     }
 
@@ -574,6 +577,17 @@ impl Drop for Engine {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+        // Fail what is still queued so no requester waits forever.
+        for (demand, prefetch) in &self.receivers {
+            for j in demand.try_iter().chain(prefetch.try_iter()) {
+                if let Job::Read { req, piece } = j {
+                    if !req.pieces[piece].claimed.swap(true, Ordering::AcqRel) {
+                        set_error(&req, StorageError::EngineClosed);
+                        finish_piece(&self.shared, &req, piece, false);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -600,18 +614,7 @@ fn worker(shared: Arc<Shared>, d: usize, demand: Receiver<Job>, prefetch: Receiv
             },
         };
         let (req, piece) = match job {
-            Job::Stop => {
-                // Fail what is still queued so no requester waits forever.
-                for j in demand.try_iter().chain(prefetch.try_iter()) {
-                    if let Job::Read { req, piece } = j {
-                        if !req.pieces[piece].claimed.swap(true, Ordering::AcqRel) {
-                            set_error(&req, StorageError::EngineClosed);
-                            finish_piece(&shared, &req, piece, false);
-                        }
-                    }
-                }
-                return;
-            }
+            Job::Stop => return,
             Job::Read { req, piece } => (req, piece),
         };
         let slot = &req.pieces[piece];

@@ -1,0 +1,454 @@
+//! Lay synthetic checkpoints out over 1-4 plain directories, read everything back through the
+//! engine, and check the failure paths name what is at fault.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deltafin_storage::backend::{Fault, FaultyBackend, PosixBackend};
+use deltafin_storage::checkpoint::Checkpoint;
+use deltafin_storage::engine::{Engine, EngineConfig, HashCheck, Lane, Target};
+use deltafin_storage::layout::{open_layout, write_layout, LayoutOptions, NoProgress};
+use deltafin_storage::manifest::{RecordId, DATA_FILE, MANIFEST_FILE};
+use deltafin_storage::stripe::Mode;
+use deltafin_storage::synth::{preset_config, write_checkpoint};
+use deltafin_storage::StorageError;
+
+fn synth(dir: &Path, arch: &str) -> Checkpoint {
+    let cfg = preset_config(arch, "tiny").unwrap();
+    write_checkpoint(dir, &cfg, 11, 300 << 10, false, &NoProgress).unwrap();
+    Checkpoint::open(dir).unwrap()
+}
+
+fn drives(root: &Path, n: usize) -> Vec<PathBuf> {
+    (0..n)
+        .map(|i| {
+            let d = root.join(format!("drive{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        })
+        .collect()
+}
+
+fn opts(drives: Vec<PathBuf>, mode: Mode, unit: u64) -> LayoutOptions {
+    LayoutOptions {
+        name: "m".into(),
+        drives,
+        mode,
+        stripe_unit: unit,
+        force: false,
+    }
+}
+
+fn engine_with(
+    dirs: &[PathBuf],
+    backend: Arc<dyn deltafin_storage::backend::IoBackend>,
+    hash: HashCheck,
+) -> Engine {
+    let (manifest, dirs) = open_layout(&dirs[0].join("m")).unwrap();
+    let cfg = EngineConfig {
+        threads_per_drive: 3,
+        buffer_cap_bytes: 64 << 20,
+        queue_capacity: 1024,
+        hash_check: hash,
+        backend,
+    };
+    Engine::open(Arc::new(manifest), &dirs, cfg).unwrap()
+}
+
+/// Every expert part and resident tensor read through the engine equals the checkpoint bytes.
+fn check_all_records(ckpt: &Checkpoint, engine: &Engine) {
+    let m = engine.manifest().clone();
+    let experts = ckpt.experts().unwrap();
+    let all: Vec<usize> = (0..m.records.len()).collect();
+    let (rx, _tickets) = engine.fetch(&all, Lane::Demand).unwrap();
+    let mut seen = 0;
+    for c in rx.iter().take(all.len()) {
+        let loaded = c.result.unwrap();
+        let Target::Record(i) = loaded.target else {
+            panic!()
+        };
+        let rec = &m.records[i];
+        assert_eq!(loaded.buf.len() as u64, rec.len);
+        match &rec.id {
+            RecordId::Resident { group } => {
+                assert_eq!(&loaded.buf[..], ckpt.bytes(group).unwrap(), "{group}");
+            }
+            RecordId::Expert { layer, expert } => {
+                let src = experts
+                    .iter()
+                    .find(|e| e.layer == *layer && e.expert == *expert)
+                    .unwrap();
+                for (t, p) in engine.record_tensors(i).iter().zip(&src.parts) {
+                    assert_eq!(t.name, p.part);
+                    let got = &loaded.buf[t.offset as usize..(t.offset + t.len) as usize];
+                    assert_eq!(
+                        got,
+                        ckpt.slice(p.file, p.offset, p.len),
+                        "{} {}",
+                        rec.id,
+                        t.name
+                    );
+                }
+            }
+        }
+        seen += 1;
+    }
+    assert_eq!(seen, all.len());
+}
+
+#[test]
+fn every_drive_count_and_mode_reads_back_byte_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    for n in 1..=4 {
+        for mode in [Mode::Replicate, Mode::Stripe] {
+            let root = tmp.path().join(format!("{mode}{n}"));
+            let ds = drives(&root, n);
+            // A small unit so records straddle units and drives.
+            let m = write_layout(&ckpt, &opts(ds.clone(), mode, 8192), &NoProgress).unwrap();
+            assert_eq!(m.drives.len(), n);
+            for d in &ds {
+                assert!(d.join("m").join(MANIFEST_FILE).exists());
+            }
+            let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::All);
+            check_all_records(&ckpt, &engine);
+            let report = deltafin_storage::verify::verify(
+                &engine,
+                &ds.iter().map(|d| d.join("m")).collect::<Vec<_>>(),
+                &NoProgress,
+            )
+            .unwrap();
+            assert!(report.mismatches.is_empty(), "{:?}", report.mismatches);
+            assert_eq!(
+                report.records_checked as usize,
+                m.records.len() * if mode == Mode::Replicate { n } else { 1 }
+            );
+            let total: u64 = report.drives.iter().map(|d| d.bytes).sum();
+            let want: u64 = m.drives.iter().map(|d| d.data_len).sum();
+            assert_eq!(total, want, "verify must read every byte on every drive");
+        }
+    }
+}
+
+#[test]
+fn qwen_layout_reads_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "qwen3_moe");
+    let ds = drives(tmp.path(), 3);
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 4096), &NoProgress).unwrap();
+    let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::All);
+    check_all_records(&ckpt, &engine);
+}
+
+#[test]
+fn verify_names_a_flipped_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 3);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap();
+    // Flip a byte inside some expert record on drive 1.
+    let rec = m
+        .records
+        .iter()
+        .find(|r| {
+            matches!(
+                r.id,
+                RecordId::Expert {
+                    layer: 2,
+                    expert: 5
+                }
+            )
+        })
+        .unwrap();
+    let p = m.placement().pieces(rec.offset, rec.len);
+    let piece = p.iter().find(|p| p.drive == 1).unwrap();
+    let data = ds[1].join("m").join(DATA_FILE);
+    let mut bytes = std::fs::read(&data).unwrap();
+    bytes[(piece.file_offset + 10) as usize] ^= 0x40;
+    std::fs::write(&data, &bytes).unwrap();
+
+    let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::Off);
+    let dirs: Vec<PathBuf> = ds.iter().map(|d| d.join("m")).collect();
+    let report = deltafin_storage::verify::verify(&engine, &dirs, &NoProgress).unwrap();
+    assert!(!report.mismatches.is_empty());
+    let text: Vec<String> = report.mismatches.iter().map(|m| m.to_string()).collect();
+    assert!(report.mismatches.iter().all(|x| x.drive == 1), "{text:?}");
+    let unit_start = piece.file_offset - piece.file_offset % 8192;
+    assert!(
+        report.mismatches.iter().any(|x| x.offset == unit_start
+            && x.what.contains("layer 2 expert 5")
+            && x.file == data),
+        "{text:?}"
+    );
+    assert!(
+        text.iter()
+            .any(|t| t.contains("record layer 2 expert 5 hash differs")),
+        "{text:?}"
+    );
+
+    // And a demand read with hashing on reports the record.
+    let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::All);
+    let idx = engine.record_index(&rec.id).unwrap();
+    let err = engine.read_record(idx, None).unwrap_err();
+    assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("layer 2 expert 5"), "{err}");
+}
+
+#[test]
+fn io_errors_name_drive_file_and_offset_and_short_reads_are_retried() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap();
+
+    let short = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        vec![Fault::ShortReads],
+    ));
+    let engine = engine_with(&ds, short.clone(), HashCheck::All);
+    check_all_records(&ckpt, &engine);
+
+    let rec = m
+        .records
+        .iter()
+        .find(|r| {
+            matches!(
+                r.id,
+                RecordId::Expert {
+                    layer: 3,
+                    expert: 0
+                }
+            )
+        })
+        .unwrap();
+    let piece = m
+        .placement()
+        .pieces(rec.offset, rec.len)
+        .into_iter()
+        .find(|p| p.drive == 1)
+        .unwrap();
+    let eio = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        vec![Fault::Eio {
+            path_contains: "drive1".into(),
+            offset: piece.file_offset,
+        }],
+    ));
+    let engine = engine_with(&ds, eio, HashCheck::Off);
+    let err = engine
+        .read_record(engine.record_index(&rec.id).unwrap(), None)
+        .unwrap_err();
+    match &err {
+        StorageError::Read {
+            drive: 1,
+            path,
+            offset,
+            ..
+        } => {
+            assert!(path.ends_with("drive1/m/data.bin"), "{err}");
+            assert_eq!(*offset, piece.file_offset);
+        }
+        other => panic!("unexpected {other}"),
+    }
+    // Other records still read fine.
+    let ok = m
+        .records
+        .iter()
+        .position(|r| {
+            matches!(
+                r.id,
+                RecordId::Expert {
+                    layer: 1,
+                    expert: 0
+                }
+            )
+        })
+        .unwrap();
+    assert!(engine.read_record(ok, None).is_ok());
+}
+
+#[test]
+fn demand_overtakes_prefetch_and_prefetch_can_be_cancelled() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 1);
+    let m = write_layout(
+        &ckpt,
+        &opts(ds.clone(), Mode::Replicate, 1 << 20),
+        &NoProgress,
+    )
+    .unwrap();
+    let slow = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        vec![Fault::Latency(Duration::from_millis(20))],
+    ));
+    let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
+    let cfg = EngineConfig {
+        threads_per_drive: 1,
+        buffer_cap_bytes: 64 << 20,
+        queue_capacity: 1024,
+        hash_check: HashCheck::Off,
+        backend: slow,
+    };
+    let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+    let experts: Vec<usize> = m
+        .records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| matches!(r.id, RecordId::Expert { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    let (prx, ptickets) = engine.fetch(&experts[..30], Lane::Prefetch).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let started = std::time::Instant::now();
+    engine.read_record(experts[40], None).unwrap();
+    // One worker, 20 ms per read: without priority the demand read would wait ~600 ms.
+    assert!(
+        started.elapsed() < Duration::from_millis(200),
+        "demand waited {:?}",
+        started.elapsed()
+    );
+    for t in &ptickets[10..] {
+        t.cancel();
+    }
+    let mut ok = 0;
+    let mut cancelled = 0;
+    for c in prx.iter().take(30) {
+        match c.result {
+            Ok(_) => ok += 1,
+            Err(StorageError::Cancelled) => cancelled += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(cancelled >= 15, "ok {ok} cancelled {cancelled}");
+    assert_eq!(ok + cancelled, 30);
+    // Promotion moves a queued prefetch ahead.
+    let (prx, ptickets) = engine.fetch(&experts[..20], Lane::Prefetch).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    let started = std::time::Instant::now();
+    ptickets[19].promote();
+    let first = loop {
+        let c = prx.recv().unwrap();
+        if c.tag == experts[19] as u64 {
+            break started.elapsed();
+        }
+    };
+    assert!(
+        first < Duration::from_millis(200),
+        "promoted read took {first:?}"
+    );
+    for t in &ptickets {
+        t.cancel();
+    }
+    let rest = prx.iter().take(19).count();
+    assert_eq!(rest, 19);
+    assert_eq!(
+        engine.pool().in_use(),
+        0,
+        "every buffer goes back to the pool"
+    );
+}
+
+#[test]
+fn bad_inputs_name_what_is_wrong() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let ckpt = synth(&model, "deepseek_v3");
+    drop(ckpt);
+
+    // Existing layout without --force; a rerun after an interrupted layout needs no force.
+    let ds = drives(&tmp.path().join("d"), 2);
+    let ckpt = Checkpoint::open(&model).unwrap();
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap();
+    let err = write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap_err();
+    assert!(matches!(err, StorageError::LayoutExists { .. }), "{err}");
+    let mut forced = opts(ds.clone(), Mode::Replicate, 8192);
+    forced.force = true;
+    write_layout(&ckpt, &forced, &NoProgress).unwrap();
+    std::fs::remove_file(ds[1].join("m").join(MANIFEST_FILE)).unwrap(); // as if interrupted
+    let err = open_layout(&ds[0].join("m")).unwrap_err();
+    assert!(
+        matches!(err, StorageError::MissingDrive { drive: 1, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("drive1"), "{err}");
+    std::fs::remove_file(ds[0].join("m").join(MANIFEST_FILE)).unwrap();
+    assert!(
+        open_layout(&ds[0].join("m")).is_err(),
+        "no manifest: not a complete layout"
+    );
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap();
+
+    // Missing drive directory.
+    let err = write_layout(
+        &ckpt,
+        &opts(
+            vec![ds[0].clone(), tmp.path().join("nope")],
+            Mode::Stripe,
+            8192,
+        ),
+        &NoProgress,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, StorageError::MissingDrive { drive: 1, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("nope"));
+
+    // A drive whose data file was truncated.
+    let data = ds[1].join("m").join(DATA_FILE);
+    let f = std::fs::OpenOptions::new().write(true).open(&data).unwrap();
+    f.set_len(4096).unwrap();
+    let err = open_layout(&ds[0].join("m")).unwrap_err();
+    assert!(err.to_string().contains("drive1"), "{err}");
+    drop(ckpt);
+
+    // Truncated shard: names the file and the tensor.
+    let shard = std::fs::read_dir(&model)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .max()
+        .unwrap();
+    let len = std::fs::metadata(&shard).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
+    let err = Checkpoint::open(&model).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains(shard.file_name().unwrap().to_str().unwrap()) && msg.contains("truncated"),
+        "{msg}"
+    );
+    assert!(msg.contains("tensor `"), "{msg}");
+
+    // Unsupported model_type lists what is supported.
+    let cfg_path = model.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["model_type"] = "llama".into();
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let msg = Checkpoint::open(&model).unwrap_err().to_string();
+    assert!(
+        msg.contains("llama") && msg.contains("deepseek_v3") && msg.contains("qwen3_moe"),
+        "{msg}"
+    );
+
+    // A header that lies about its length.
+    let lying = tmp.path().join("lying");
+    std::fs::create_dir_all(&lying).unwrap();
+    std::fs::write(lying.join("config.json"), r#"{"model_type":"qwen3_moe"}"#).unwrap();
+    let mut bytes = 5000u64.to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    std::fs::write(lying.join("model.safetensors"), &bytes).unwrap();
+    let msg = Checkpoint::open(&lying).unwrap_err().to_string();
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("5000"),
+        "{msg}"
+    );
+}
