@@ -328,8 +328,10 @@ fn demand_overtakes_prefetch_and_prefetch_can_be_cancelled() {
     std::thread::sleep(Duration::from_millis(5));
     let started = std::time::Instant::now();
     ptickets[19].promote();
+    let mut got = 0;
     let first = loop {
         let c = prx.recv().unwrap();
+        got += 1;
         if c.tag == experts[19] as u64 {
             break started.elapsed();
         }
@@ -341,8 +343,9 @@ fn demand_overtakes_prefetch_and_prefetch_can_be_cancelled() {
     for t in &ptickets {
         t.cancel();
     }
-    let rest = prx.iter().take(19).count();
-    assert_eq!(rest, 19);
+    let rest = prx.iter().take(20 - got).count();
+    assert_eq!(rest + got, 20);
+    drop(prx);
     assert_eq!(
         engine.pool().in_use(),
         0,
