@@ -1,0 +1,131 @@
+//! `deltafin layout`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use deltafin_storage::checkpoint::Checkpoint;
+use deltafin_storage::layout::{write_layout, LayoutOptions, DEFAULT_STRIPE_UNIT};
+use deltafin_storage::stripe::Mode;
+use serde::Deserialize;
+
+use crate::progress::Bar;
+use crate::util::{human, parse_size};
+
+#[derive(clap::Args, Debug)]
+pub struct LayoutArgs {
+    /// The checkpoint directory (config.json + *.safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// A drive (mount point or directory); repeat for 1-4 drives.
+    #[arg(long = "drive")]
+    pub drives: Vec<PathBuf>,
+    /// replicate (full copy per drive) or stripe (RAID-0 over the drives).
+    #[arg(long)]
+    pub mode: Option<Mode>,
+    /// Stripe unit in bytes (e.g. 512K).
+    #[arg(long, value_parser = parse_size)]
+    pub stripe_unit: Option<u64>,
+    /// Layout name: the folder created on every drive.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// A JSON layout spec (see layouts/); flags given on the command line override it.
+    #[arg(long)]
+    pub spec: Option<PathBuf>,
+    /// Replace an existing layout of the same name.
+    #[arg(long)]
+    pub force: bool,
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// The `--spec` file format.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct Spec {
+    name: Option<String>,
+    mode: Option<Mode>,
+    stripe_unit: Option<serde_json::Value>,
+    drives: Option<Vec<PathBuf>>,
+    #[serde(default)]
+    comment: Option<String>,
+}
+
+pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
+    let spec: Spec = match &a.spec {
+        Some(p) => {
+            let text = std::fs::read(p).with_context(|| format!("reading spec {}", p.display()))?;
+            serde_json::from_slice(&text).with_context(|| format!("spec {}", p.display()))?
+        }
+        None => Spec::default(),
+    };
+    let _ = &spec.comment;
+    let drives = if a.drives.is_empty() {
+        spec.drives.clone().unwrap_or_default()
+    } else {
+        a.drives.clone()
+    };
+    if drives.is_empty() {
+        bail!("no drives: give --drive PATH (1-4 times) or a --spec with \"drives\"");
+    }
+    if drives.len() > 4 {
+        eprintln!(
+            "warning: {} drives; deltafin is tuned and tested for 1-4",
+            drives.len()
+        );
+    }
+    let mode = a.mode.or(spec.mode).unwrap_or(Mode::Stripe);
+    let unit = match (a.stripe_unit, &spec.stripe_unit) {
+        (Some(u), _) => u,
+        (None, Some(serde_json::Value::Number(n))) => n
+            .as_u64()
+            .context("stripe_unit must be a positive integer")?,
+        (None, Some(serde_json::Value::String(s))) => parse_size(s).map_err(anyhow::Error::msg)?,
+        (None, Some(other)) => bail!("stripe_unit {other} is neither a number nor a size string"),
+        (None, None) => DEFAULT_STRIPE_UNIT,
+    };
+    let name = a
+        .name
+        .clone()
+        .or(spec.name.clone())
+        .context("give --name (or \"name\" in the spec)")?;
+    let ckpt = Checkpoint::open(&a.model)
+        .with_context(|| format!("opening checkpoint {}", a.model.display()))?;
+    let opts = LayoutOptions {
+        name,
+        drives,
+        mode,
+        stripe_unit: unit,
+        force: a.force,
+    };
+    let t = Instant::now();
+    let m = write_layout(&ckpt, &opts, &Bar::new(a.quiet))?;
+    let secs = t.elapsed().as_secs_f64();
+    let experts = m
+        .records
+        .iter()
+        .filter(|r| matches!(r.id, deltafin_storage::manifest::RecordId::Expert { .. }))
+        .count();
+    println!(
+        "laid out {} ({} {}, {} records, {} routed experts) over {} drive(s), {} mode, unit {}, in {:.1}s ({}/s)",
+        m.name,
+        m.model_type,
+        human(m.logical_len),
+        m.records.len(),
+        experts,
+        m.drives.len(),
+        m.mode,
+        human(m.stripe_unit),
+        secs,
+        human((m.logical_len as f64 / secs.max(1e-9)) as u64)
+    );
+    for d in &m.drives {
+        println!(
+            "  drive {}: {} ({})",
+            d.index,
+            d.path.join("manifest.json").display(),
+            human(d.data_len)
+        );
+    }
+    Ok(())
+}

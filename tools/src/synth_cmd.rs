@@ -1,0 +1,65 @@
+//! `deltafin synth`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use deltafin_storage::synth::{apply_overrides, preset_config, write_checkpoint};
+
+use crate::progress::Bar;
+use crate::util::{human, parse_size};
+
+#[derive(clap::Args, Debug)]
+pub struct SynthArgs {
+    /// Output directory (created).
+    #[arg(long, short)]
+    pub out: PathBuf,
+    /// Architecture: deepseek_v3 or qwen3_moe.
+    #[arg(long, default_value = "deepseek_v3")]
+    pub arch: String,
+    /// Size preset: tiny (tests), small, medium (~2 GB), large (~12 GB), xl (~40 GB).
+    #[arg(long, default_value = "small")]
+    pub preset: String,
+    /// Override any config.json field: --set n_routed_experts=128 --set q_lora_rank=null
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Shard size (files are split like Hugging Face checkpoints, with an index).
+    #[arg(long, default_value = "2GiB", value_parser = parse_size)]
+    pub shard_size: u64,
+    /// Replace an existing checkpoint in --out.
+    #[arg(long)]
+    pub force: bool,
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
+    let mut cfg = preset_config(&a.arch, &a.preset)?;
+    apply_overrides(&mut cfg, &a.sets)?;
+    let t = Instant::now();
+    let s = write_checkpoint(
+        &a.out,
+        &cfg,
+        a.seed,
+        a.shard_size,
+        a.force,
+        &Bar::new(a.quiet),
+    )
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    let secs = t.elapsed().as_secs_f64();
+    if !a.quiet {
+        eprintln!(
+            "wrote {} ({} tensors, {} shard(s), routed experts {}) to {} in {:.1}s ({}/s)",
+            human(s.bytes),
+            s.tensors,
+            s.shards,
+            human(s.expert_bytes),
+            a.out.display(),
+            secs,
+            human((s.bytes as f64 / secs.max(1e-9)) as u64)
+        );
+    }
+    Ok(())
+}

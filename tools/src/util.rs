@@ -1,0 +1,99 @@
+//! Small helpers shared by the subcommands.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use deltafin_storage::engine::{Engine, EngineConfig, HashCheck};
+use deltafin_storage::layout::open_layout;
+use deltafin_storage::manifest::Manifest;
+
+/// Parse sizes like `512K`, `1M`, `4GiB`, `1000`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit `{other}` in `{s}`")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+pub fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else if b >= (1u64 << 20) as f64 {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    } else if b >= 1024.0 {
+        format!("{:.1} KiB", b / 1024.0)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Open a layout (any drive's manifest or folder) and start an engine on it.
+pub fn open_engine(
+    path: &Path,
+    threads_per_drive: usize,
+    buffer_cap: u64,
+    hash: HashCheck,
+) -> anyhow::Result<(Arc<Manifest>, Vec<std::path::PathBuf>, Engine)> {
+    let (manifest, dirs) =
+        open_layout(path).with_context(|| format!("opening layout {}", path.display()))?;
+    let manifest = Arc::new(manifest);
+    let cfg = EngineConfig {
+        threads_per_drive,
+        buffer_cap_bytes: buffer_cap,
+        hash_check: hash,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::open(manifest.clone(), &dirs, cfg)?;
+    if !engine.direct_io() {
+        eprintln!("note: a drive's filesystem refused O_DIRECT; reading through the page cache with posix_fadvise(DONTNEED)");
+    }
+    Ok((manifest, dirs, engine))
+}
+
+/// Facts about this machine for reports.
+pub fn machine() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_default();
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| s.lines().next().map(|l| l.to_string()))
+        .unwrap_or_default();
+    serde_json::json!({
+        "cpu": cpu,
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "mem": mem,
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("512K").unwrap(), 512 << 10);
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("3 parsecs").is_err());
+    }
+}

@@ -1,0 +1,60 @@
+//! `deltafin verify`.
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use deltafin_storage::engine::HashCheck;
+use deltafin_storage::verify::verify;
+
+use crate::progress::Bar;
+use crate::util::{human, open_engine, parse_size};
+
+#[derive(clap::Args, Debug)]
+pub struct VerifyArgs {
+    /// Any drive's copy of the manifest, or the layout folder holding it.
+    pub layout: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    pub threads_per_drive: usize,
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub buffer_cap: u64,
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+pub fn run(a: &VerifyArgs) -> anyhow::Result<()> {
+    let (manifest, dirs, engine) =
+        open_engine(&a.layout, a.threads_per_drive, a.buffer_cap, HashCheck::Off)?;
+    let report = verify(&engine, &dirs, &Bar::new(a.quiet))?;
+    println!(
+        "layout {} ({} mode, {} drive(s)): {} stripe units, {} records checked in {:.2}s",
+        manifest.name,
+        manifest.mode,
+        dirs.len(),
+        report.units_checked,
+        report.records_checked,
+        report.elapsed.as_secs_f64()
+    );
+    for d in &report.drives {
+        let busy = d.busy.as_secs_f64();
+        println!(
+            "  drive {} {}: {} read, {}/s",
+            d.index,
+            d.file.display(),
+            human(d.bytes),
+            human((d.bytes as f64 / report.elapsed.as_secs_f64().max(1e-9)) as u64)
+        );
+        let _ = busy;
+    }
+    if report.mismatches.is_empty() {
+        println!("OK: every hash matches");
+        return Ok(());
+    }
+    for m in &report.mismatches {
+        println!("MISMATCH {m}");
+    }
+    bail!(
+        "{} mismatch(es) in layout {}",
+        report.mismatches.len(),
+        manifest.name
+    )
+}
