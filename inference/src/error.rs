@@ -43,6 +43,24 @@ pub enum InferenceError {
     #[error(transparent)]
     Storage(#[from] StorageError),
 
+    /// Reading a routed expert's record from a layout failed (I/O error, short read, hash
+    /// mismatch, engine closed).
+    #[error("layer {layer} expert {expert}: reading its record failed: {source}")]
+    ExpertRead {
+        layer: usize,
+        expert: usize,
+        #[source]
+        source: Box<StorageError>,
+    },
+
+    /// Reading a resident record from a layout failed.
+    #[error("resident record `{record}`: read failed: {source}")]
+    ResidentRead {
+        record: String,
+        #[source]
+        source: Box<StorageError>,
+    },
+
     #[error("tensor `{name}` is missing from the checkpoint")]
     MissingTensor { name: String },
 

@@ -44,6 +44,9 @@
 //!   name, routed experts per layer through a callback ([`ExpertView`] = parts relative to
 //!   `model.layers.L.mlp.experts.E.`, or fused `gate_up_proj`/`down_proj` slices).
 //!   [`DirSource`] implements it over `deltafin_storage::checkpoint::Checkpoint`.
+//! - [`layout_source`]: [`LayoutSource`], a [`WeightSource`] over a deltafin layout on 1-4
+//!   drives: the resident set is read once into memory at open, routed experts are read through
+//!   the storage engine's demand lane per layer and handed over in landing order.
 //! - [`linear`]: [`linear::WeightMatrix`] (borrowed, dtype-tagged bytes) and [`linear::Linear`]
 //!   (owned) with rayon-parallel f32-accumulating `matvec`/`matmul`; formats are
 //!   [`linear::WeightFormat`] variants decoded row by row.
@@ -69,6 +72,7 @@ pub mod config;
 pub mod error;
 pub mod ffn;
 pub mod generate;
+pub mod layout_source;
 pub mod linear;
 mod loader;
 pub mod mixer;
@@ -81,6 +85,7 @@ pub mod weights;
 pub use config::{DeepseekV3Config, HiddenAct, ModelConfig, Qwen3MoeConfig, RopeParameters};
 pub use error::{ConfigError, InferenceError, Result};
 pub use generate::{generate, GenerateConfig, GenerateOutput, StopReason};
+pub use layout_source::{LayoutSource, LayoutSourceOptions, LayoutStats, LoadProgress};
 pub use model::{ForwardTrace, Logits, LogitsMode, Model, Session};
 pub use sampler::{Rng, Sampler, SamplerConfig};
 pub use weights::{DirSource, ExpertPartRef, ExpertView, TensorRef, WeightSource};
