@@ -1,6 +1,7 @@
 //! The `deltafin` command line.
 
 mod bench_io;
+mod generate;
 mod layout_cmd;
 mod progress;
 mod synth_cmd;
@@ -28,6 +29,10 @@ enum Command {
     Layout(layout_cmd::LayoutArgs),
     /// Read every byte of a layout on every drive and check every hash.
     Verify(verify_cmd::VerifyArgs),
+    /// Generate tokens from a prompt (model directory or layout), streaming them as they come.
+    Generate(generate::GenerateArgs),
+    /// One forward pass over token ids; write the logits [len, vocab] as f32 safetensors.
+    Logits(generate::LogitsArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -46,6 +51,8 @@ fn main() {
         Command::Layout(a) => layout_cmd::run(a),
         Command::Verify(a) => verify_cmd::run(a),
         Command::Bench(BenchCommand::Io(a)) => bench_io::run(a),
+        Command::Generate(a) => generate::run_generate(a),
+        Command::Logits(a) => generate::run_logits(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
