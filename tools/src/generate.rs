@@ -350,13 +350,14 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         let path = detect(&args.source.model)?;
         if find_tokenizer(&args.source, &path)?.is_none() {
             bail!(
-                "--prompt needs a tokenizer.json and none was found for {} (looked next to the \
-                 model{}); give --tokenizer FILE, or pass token ids with --prompt-ids 1,2,3",
+                "--prompt needs a tokenizer.json and none was found for {} (looked {}); give \
+                 --tokenizer FILE, or pass token ids with --prompt-ids 1,2,3",
                 args.source.model.display(),
-                if matches!(path, ModelPath::Layout(_)) {
-                    ", in the layout's source checkpoint folder and next to the manifest"
-                } else {
-                    ""
+                match path {
+                    ModelPath::Layout(_) => {
+                        "in the layout's source checkpoint folder and next to the manifest"
+                    }
+                    ModelPath::Directory(_) => "in the model directory",
                 }
             );
         }
