@@ -1,6 +1,8 @@
 //! Lay synthetic checkpoints out over 1-4 plain directories, read everything back through the
 //! engine, and check the failure paths name what is at fault.
 
+#![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;

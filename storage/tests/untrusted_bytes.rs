@@ -1,6 +1,8 @@
 //! Stable-toolchain companions of the cargo-fuzz targets: random and mutated inputs to the
 //! safetensors header parser and the manifest parser never panic.
 
+#![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
+
 use deltafin_storage::manifest::Manifest;
 use deltafin_storage::safetensors::{parse_bytes, write_header, Dtype, TensorSpec};
 use proptest::prelude::*;
