@@ -110,6 +110,15 @@ pub enum InferenceError {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// The expert memory budget cannot hold even this one expert record.
+    #[error("layer {layer} expert {expert}: its record needs {need} bytes but the expert memory budget is {cap} bytes")]
+    ExpertBudget {
+        layer: usize,
+        expert: usize,
+        need: u64,
+        cap: u64,
+    },
+
     #[error("{0}")]
     Unsupported(String),
 }

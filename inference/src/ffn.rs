@@ -44,6 +44,13 @@ impl std::fmt::Debug for FfnContext<'_> {
 pub trait FeedForward: Send + Sync + std::fmt::Debug {
     /// `x [n, hidden] -> [n, hidden]`.
     fn forward(&self, x: &[f32], n: usize, ctx: &mut FfnContext<'_>) -> Result<Vec<f32>>;
+
+    /// The routed experts this module would request for input `x [n, hidden]` (already
+    /// normed), sorted and deduplicated; `None` when it routes nothing. Used to prefetch a
+    /// layer's experts from an earlier hidden state.
+    fn predict_experts(&self, _x: &[f32], _n: usize) -> Option<Vec<usize>> {
+        None
+    }
 }
 
 /// `down(act(gate(x)) * up(x))`.
@@ -251,6 +258,18 @@ pub struct MoeFfn {
 }
 
 impl FeedForward for MoeFfn {
+    fn predict_experts(&self, x: &[f32], n: usize) -> Option<Vec<usize>> {
+        let mut e: Vec<usize> = self
+            .router
+            .route(x, n)
+            .into_iter()
+            .flat_map(|r| r.experts)
+            .collect();
+        e.sort_unstable();
+        e.dedup();
+        Some(e)
+    }
+
     fn forward(&self, x: &[f32], n: usize, ctx: &mut FfnContext<'_>) -> Result<Vec<f32>> {
         let hd = self.experts.hidden;
         let layer = ctx.layer;

@@ -6,6 +6,9 @@ use crate::error::Result;
 use crate::model::{LogitsMode, Model, Session};
 use crate::sampler::{Sampler, SamplerConfig};
 
+/// Default [`GenerateConfig::prefill_chunk`].
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
 /// Settings of one [`generate`] call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateConfig {
@@ -14,6 +17,10 @@ pub struct GenerateConfig {
     pub sampler: SamplerConfig,
     /// Tokens that end generation. [`GenerateConfig::for_model`] fills in the config's EOS ids.
     pub stop_tokens: Vec<u32>,
+    /// Prefill the prompt in chunks of this many positions (0 = the whole prompt at once).
+    /// Each chunk is one forward pass, so each routed expert is read at most once per layer
+    /// per chunk; smaller chunks need less activation memory.
+    pub prefill_chunk: usize,
 }
 
 impl GenerateConfig {
@@ -23,6 +30,7 @@ impl GenerateConfig {
             max_new_tokens,
             sampler: SamplerConfig::greedy(),
             stop_tokens: model.eos_token_ids().to_vec(),
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
 }
@@ -60,16 +68,39 @@ pub fn generate(
 ) -> Result<GenerateOutput> {
     let mut sampler = Sampler::new(config.sampler.clone())?;
     let mut tokens = Vec::new();
-    if config.max_new_tokens == 0 {
-        if !prompt.is_empty() {
-            model.forward_with(session, prompt, LogitsMode::None, None)?;
+    let chunk = if config.prefill_chunk == 0 {
+        prompt.len().max(1)
+    } else {
+        config.prefill_chunk
+    };
+    let start = session.len();
+    let prefill = |session: &mut Session, upto: usize| -> Result<()> {
+        for c in prompt[..upto].chunks(chunk) {
+            if let Err(e) = model.forward_with(session, c, LogitsMode::None, None) {
+                // Roll back the chunks already fed (cannot fail: start <= len).
+                let _ = session.truncate(start);
+                return Err(e);
+            }
         }
+        Ok(())
+    };
+    if config.max_new_tokens == 0 {
+        prefill(session, prompt.len())?;
         return Ok(GenerateOutput {
             tokens,
             stop: StopReason::MaxTokens,
         });
     }
-    let mut logits = model.forward_last(session, prompt)?;
+    // All chunks but the last without logits; the last gives the first token's logits.
+    let last_start = prompt.len().saturating_sub(1) / chunk * chunk;
+    prefill(session, last_start)?;
+    let mut logits = match model.forward_last(session, &prompt[last_start..]) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = session.truncate(start);
+            return Err(e);
+        }
+    };
     loop {
         let tok = sampler.sample(&logits)?;
         if config.stop_tokens.contains(&tok) {

@@ -8,20 +8,22 @@
 //! as its record lands (landing order), so compute starts on the first expert while the others
 //! are still being read.
 //!
-//! Expert reads go through an internal `ExpertFetcher`, the place where an expert cache,
-//! next-layer prefetch and a RAM budget will slot in.
+//! Expert reads go through an internal `ExpertFetcher`: every expert buffer (in flight,
+//! prefetched, cached) lives under one byte cap ([`LayoutSourceOptions::buffer_cap_bytes`]);
+//! landed experts stay cached until the [`CachePolicy`] evicts them; [`WeightSource::prefetch`]
+//! starts reads of predicted experts on the engine's prefetch lane (promoted to demand when the
+//! forward pass asks for them, cancelled when it asks for others).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::bounded;
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use deltafin_storage::backend::{IoBackend, PosixBackend};
 use deltafin_storage::buffer::AlignedBuf;
 use deltafin_storage::engine::{
-    DriveStats, Engine, EngineConfig, HashCheck, Lane, ReadBuf, Target, Ticket,
+    Completion, DriveStats, Engine, EngineConfig, HashCheck, Lane, ReadBuf, Target, Ticket,
 };
 use deltafin_storage::layout::open_layout;
 use deltafin_storage::manifest::{Manifest, RecordId, RecordTensor};
@@ -36,10 +38,13 @@ use crate::weights::{ExpertCallback, ExpertPartRef, ExpertView, TensorRef, Weigh
 pub struct LayoutSourceOptions {
     /// Reads in flight per drive (engine worker threads per drive).
     pub threads_per_drive: usize,
-    /// Hard cap on pooled buffer bytes used for expert reads. Must hold the largest expert
-    /// record; more lets more experts of a layer be read at once. Resident tensors live in their
-    /// own buffers and do not count.
+    /// Hard cap on bytes of expert buffers: reads in flight, prefetched and cached experts
+    /// (the expert cache lives inside it). Must hold the largest expert record; more lets more
+    /// experts be read at once and cached. Resident tensors live in their own buffers and do
+    /// not count.
     pub buffer_cap_bytes: u64,
+    /// Which cached expert to drop when the cap is reached.
+    pub cache_policy: CachePolicy,
     /// Which records get their blake3 checked as they land (resident and experts alike).
     pub hash_check: HashCheck,
     /// Resident records read concurrently while loading the resident set.
@@ -55,6 +60,7 @@ impl Default for LayoutSourceOptions {
             threads_per_drive: e.threads_per_drive,
             buffer_cap_bytes: e.buffer_cap_bytes,
             hash_check: e.hash_check,
+            cache_policy: CachePolicy::default(),
             resident_in_flight: 64,
             backend: Arc::new(PosixBackend::default()),
         }
@@ -87,6 +93,12 @@ pub struct LayoutStats {
     pub bytes_read: u64,
     /// Per-drive counters from the engine (aligned bytes actually read, busy time).
     pub drives: Vec<DriveStats>,
+    /// Expert cache, prefetch and stall counters.
+    pub fetch: FetchStats,
+    /// Bytes of expert buffers allocated now (cached, in flight, spare).
+    pub expert_memory_bytes: u64,
+    /// The cap on them.
+    pub expert_memory_cap: u64,
 }
 
 /// A resident record held in memory.
@@ -107,37 +119,388 @@ struct ResidentSet {
     load_time: Duration,
 }
 
-#[derive(Debug, Default)]
-struct FetchCounters {
-    experts: AtomicU64,
-    bytes: AtomicU64,
-    batches: AtomicU64,
+/// Which cached expert to drop when the expert memory budget is full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CachePolicy {
+    /// Least recently used.
+    Lru,
+    /// Frequency-aware: the expert used least often (ties: least recently used). Decoding walks
+    /// the layers cyclically, which makes plain LRU thrash when the cache is smaller than the
+    /// working set; counting uses keeps the popular experts.
+    #[default]
+    Lfu,
 }
 
-/// Reads routed experts through the engine and hands them out in landing order.
-#[derive(Debug)]
-struct ExpertFetcher {
-    engine: Engine,
-    counters: FetchCounters,
-    /// Held while checking pool room and submitting, so that concurrent fetches cannot both
-    /// pass the room check and then block each other in the pool.
-    submit_lock: Mutex<()>,
-}
-
-/// Cancels the reads of a batch that were not consumed (on error or early return).
-struct Outstanding(Vec<Option<Ticket>>);
-
-impl Drop for Outstanding {
-    fn drop(&mut self) {
-        for t in self.0.iter().flatten() {
-            t.cancel();
+impl std::str::FromStr for CachePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "lru" => Ok(CachePolicy::Lru),
+            "lfu" | "freq" => Ok(CachePolicy::Lfu),
+            other => Err(format!("cache policy `{other}`: use lru or lfu")),
         }
     }
 }
 
+impl std::fmt::Display for CachePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CachePolicy::Lru => "lru",
+            CachePolicy::Lfu => "lfu",
+        })
+    }
+}
+
+/// Counters of the expert fetcher (monotonic; take differences for one phase).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FetchStats {
+    /// `with_experts` calls.
+    pub batches: u64,
+    /// Experts requested by the forward pass.
+    pub requests: u64,
+    /// Requests served from the cache (excluding first uses of prefetched experts).
+    pub cache_hits: u64,
+    /// Requests served by a prefetch (landed or still in flight).
+    pub prefetch_hits: u64,
+    /// Expert records read (demand and prefetch; an expert read twice counts twice).
+    pub reads: u64,
+    /// Payload bytes of those records.
+    pub read_bytes: u64,
+    /// Prefetch reads issued.
+    pub prefetch_reads: u64,
+    /// Prefetch reads cancelled before all of their bytes were read (wrong guesses).
+    pub prefetch_cancelled: u64,
+    /// Experts predicted for a layer (sum over predictions).
+    pub predicted: u64,
+    /// Experts then requested for those layers.
+    pub predicted_actual: u64,
+    /// Predicted experts that were requested.
+    pub predicted_correct: u64,
+    /// Time the forward pass waited for expert reads.
+    pub stall: Duration,
+    /// Peak bytes of expert buffers (cached, in flight and spare).
+    pub peak_bytes: u64,
+    /// Experts evicted from the cache.
+    pub evictions: u64,
+}
+
+impl FetchStats {
+    /// `self - earlier` for the counters (peak stays as is).
+    pub fn since(&self, earlier: &FetchStats) -> FetchStats {
+        FetchStats {
+            batches: self.batches - earlier.batches,
+            requests: self.requests - earlier.requests,
+            cache_hits: self.cache_hits - earlier.cache_hits,
+            prefetch_hits: self.prefetch_hits - earlier.prefetch_hits,
+            reads: self.reads - earlier.reads,
+            read_bytes: self.read_bytes - earlier.read_bytes,
+            prefetch_reads: self.prefetch_reads - earlier.prefetch_reads,
+            prefetch_cancelled: self.prefetch_cancelled - earlier.prefetch_cancelled,
+            predicted: self.predicted - earlier.predicted,
+            predicted_actual: self.predicted_actual - earlier.predicted_actual,
+            predicted_correct: self.predicted_correct - earlier.predicted_correct,
+            stall: self.stall.saturating_sub(earlier.stall),
+            peak_bytes: self.peak_bytes,
+            evictions: self.evictions - earlier.evictions,
+        }
+    }
+
+    /// Cache hits / requests.
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.requests > 0).then(|| self.cache_hits as f64 / self.requests as f64)
+    }
+
+    /// Correctly predicted / requested (for predicted layers).
+    pub fn prefetch_recall(&self) -> Option<f64> {
+        (self.predicted_actual > 0)
+            .then(|| self.predicted_correct as f64 / self.predicted_actual as f64)
+    }
+
+    /// Correctly predicted / predicted.
+    pub fn prefetch_precision(&self) -> Option<f64> {
+        (self.predicted > 0).then(|| self.predicted_correct as f64 / self.predicted as f64)
+    }
+}
+
+type Key = (usize, usize);
+
+fn key_tag((layer, expert): Key) -> u64 {
+    ((layer as u64) << 32) | (expert as u64 & 0xffff_ffff)
+}
+
+fn tag_key(tag: u64) -> Key {
+    ((tag >> 32) as usize, (tag & 0xffff_ffff) as usize)
+}
+
+#[derive(Debug)]
+enum Slot {
+    /// Landed and cached.
+    Ready {
+        buf: Arc<AlignedBuf>,
+        record: usize,
+        last_use: u64,
+        uses: u64,
+        /// Prefetched and not yet requested.
+        unused_prefetch: bool,
+    },
+    /// A read in flight; `bytes` of the budget are reserved for it.
+    Pending {
+        ticket: Ticket,
+        record: usize,
+        bytes: u64,
+        prefetch: bool,
+        cancelled: bool,
+    },
+}
+
+#[derive(Debug)]
+struct FetchState {
+    slots: HashMap<Key, Slot>,
+    /// Bytes of expert buffers allocated: ready + pending + spare.
+    used: u64,
+    /// Spare buffers of evicted experts, reused for new reads.
+    spare: Vec<AlignedBuf>,
+    clock: u64,
+    /// Experts predicted per layer, until that layer is requested.
+    predicted: HashMap<usize, Vec<usize>>,
+    stats: FetchStats,
+}
+
+/// Reads routed experts through the engine into buffers under a byte budget (`cap`), keeps them
+/// as a cache (LRU or frequency-aware), prefetches predicted experts on the prefetch lane and
+/// hands experts out in landing order. Fetches are serialized (one forward at a time).
+#[derive(Debug)]
+struct ExpertFetcher {
+    engine: Engine,
+    cap: u64,
+    policy: CachePolicy,
+    state: Mutex<FetchState>,
+    tx: Sender<Completion>,
+    rx: Receiver<Completion>,
+}
+
 impl ExpertFetcher {
+    fn new(engine: Engine, cap: u64, policy: CachePolicy) -> ExpertFetcher {
+        let (tx, rx) = unbounded();
+        ExpertFetcher {
+            engine,
+            cap,
+            policy,
+            state: Mutex::new(FetchState {
+                slots: HashMap::new(),
+                used: 0,
+                spare: Vec::new(),
+                clock: 0,
+                predicted: HashMap::new(),
+                stats: FetchStats::default(),
+            }),
+            tx,
+            rx,
+        }
+    }
+
     fn manifest(&self) -> &Manifest {
         self.engine.manifest()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FetchState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn stats(&self) -> FetchStats {
+        self.lock().stats.clone()
+    }
+
+    /// Bytes of expert buffers currently allocated (cached, in flight, spare).
+    fn used(&self) -> u64 {
+        self.lock().used
+    }
+
+    fn record_of(&self, layer: usize, e: usize) -> Result<usize> {
+        let id = match (u32::try_from(layer), u32::try_from(e)) {
+            (Ok(layer), Ok(expert)) => Some(RecordId::Expert { layer, expert }),
+            _ => None,
+        };
+        id.and_then(|id| self.engine.record_index(&id))
+            .ok_or_else(|| InferenceError::MissingExpert {
+                layer,
+                expert: e,
+                reason: format!("layout `{}` has no record for it", self.manifest().name),
+            })
+    }
+
+    /// Make room for `need` more bytes, evicting ready experts the policy picks among those
+    /// `evictable` allows. Returns a spare buffer to reuse when one fits, or `None` with the
+    /// room reserved for a fresh allocation; `Err(())` when there is not enough room.
+    fn make_room(
+        &self,
+        st: &mut FetchState,
+        need: u64,
+        evictable: &dyn Fn(Key) -> bool,
+    ) -> std::result::Result<Option<AlignedBuf>, ()> {
+        loop {
+            if let Some(i) = st
+                .spare
+                .iter()
+                .position(|b| b.capacity() as u64 >= need && (b.capacity() as u64) < need * 2)
+            {
+                return Ok(Some(st.spare.swap_remove(i)));
+            }
+            if st.used + need <= self.cap {
+                st.used += need;
+                st.stats.peak_bytes = st.stats.peak_bytes.max(st.used);
+                return Ok(None);
+            }
+            if let Some(b) = st.spare.pop() {
+                st.used -= b.capacity() as u64;
+                continue;
+            }
+            let victim = st
+                .slots
+                .iter()
+                .filter_map(|(k, s)| match s {
+                    Slot::Ready { last_use, uses, .. } if evictable(*k) => {
+                        Some((*k, *last_use, *uses))
+                    }
+                    _ => None,
+                })
+                .min_by_key(|&(_, last, uses)| match self.policy {
+                    CachePolicy::Lru => (0, last),
+                    CachePolicy::Lfu => (uses, last),
+                })
+                .map(|(k, _, _)| k);
+            let Some(k) = victim else { return Err(()) };
+            if let Some(Slot::Ready { buf, .. }) = st.slots.remove(&k) {
+                st.stats.evictions += 1;
+                match Arc::try_unwrap(buf) {
+                    Ok(b) => st.spare.push(b),
+                    Err(shared) => st.used -= shared.capacity() as u64,
+                }
+            }
+        }
+    }
+
+    /// Submit a read of `key` (record `record`) on `lane`, within the budget.
+    fn submit(
+        &self,
+        st: &mut FetchState,
+        key: Key,
+        record: usize,
+        lane: Lane,
+        evictable: &dyn Fn(Key) -> bool,
+    ) -> std::result::Result<bool, InferenceError> {
+        let len = self.engine.record(record).len;
+        let need = align_up(len.max(1));
+        let dest = match self.make_room(st, need, evictable) {
+            Ok(Some(b)) => b,
+            Ok(None) => AlignedBuf::zeroed(len as usize),
+            Err(()) => return Ok(false),
+        };
+        let bytes = dest.capacity() as u64;
+        let ticket = match self.engine.submit(
+            Target::Record(record),
+            lane,
+            key_tag(key),
+            self.tx.clone(),
+            Some(dest),
+        ) {
+            Ok(t) => t,
+            Err(source) => {
+                st.used -= bytes;
+                return Err(InferenceError::ExpertRead {
+                    layer: key.0,
+                    expert: key.1,
+                    source: Box::new(source),
+                });
+            }
+        };
+        st.slots.insert(
+            key,
+            Slot::Pending {
+                ticket,
+                record,
+                bytes,
+                prefetch: lane == Lane::Prefetch,
+                cancelled: false,
+            },
+        );
+        if lane == Lane::Prefetch {
+            st.stats.prefetch_reads += 1;
+        }
+        Ok(true)
+    }
+
+    /// Apply one completion to the state. Returns the key and, on failure, the error.
+    fn land(&self, st: &mut FetchState, c: Completion) -> (Key, Option<StorageError>) {
+        let key = tag_key(c.tag);
+        let Some(Slot::Pending {
+            record,
+            bytes,
+            prefetch,
+            ..
+        }) = st.slots.remove(&key)
+        else {
+            // Not ours (cannot happen: every read has a pending slot until it lands).
+            return (key, None);
+        };
+        match c.result {
+            Ok(loaded) => {
+                let buf = match loaded.buf {
+                    ReadBuf::Owned(b) => b,
+                    ReadBuf::Pooled(p) => {
+                        let mut b = AlignedBuf::zeroed(p.len());
+                        b.copy_from_slice(&p);
+                        b
+                    }
+                };
+                st.stats.reads += 1;
+                st.stats.read_bytes += buf.len() as u64;
+                // The engine may have sized the buffer differently only if it was replaced.
+                let cap = buf.capacity() as u64;
+                st.used = (st.used + cap).saturating_sub(bytes);
+                st.clock += 1;
+                st.slots.insert(
+                    key,
+                    Slot::Ready {
+                        buf: Arc::new(buf),
+                        record,
+                        last_use: st.clock,
+                        uses: 0,
+                        unused_prefetch: prefetch,
+                    },
+                );
+                (key, None)
+            }
+            Err(e) => {
+                // The engine dropped the buffer.
+                st.used -= bytes;
+                if matches!(e, StorageError::Cancelled) && prefetch {
+                    st.stats.prefetch_cancelled += 1;
+                }
+                (key, Some(e))
+            }
+        }
+    }
+
+    /// Start reading `experts` of `layer` on the prefetch lane (those not cached or in flight),
+    /// as far as the budget allows without evicting experts of `layer` or the layer before it.
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        let mut st = self.lock();
+        st.predicted.insert(layer, experts.to_vec());
+        for &e in experts {
+            let key = (layer, e);
+            if st.slots.contains_key(&key) {
+                continue;
+            }
+            let Ok(record) = self.record_of(layer, e) else {
+                continue;
+            };
+            let evictable = |k: Key| k.0 != layer && k.0 + 1 != layer;
+            match self.submit(&mut st, key, record, Lane::Prefetch, &evictable) {
+                Ok(true) => {}
+                Ok(false) | Err(_) => break,
+            }
+        }
     }
 
     fn fetch(
@@ -146,98 +509,188 @@ impl ExpertFetcher {
         experts: &[usize],
         on_ready: &mut ExpertCallback<'_>,
     ) -> Result<()> {
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        st.stats.batches += 1;
         if experts.is_empty() {
             return Ok(());
         }
-        // Resolve every record before reading anything.
         let records = experts
             .iter()
-            .map(|&e| {
-                let id = match (u32::try_from(layer), u32::try_from(e)) {
-                    (Ok(layer), Ok(expert)) => Some(RecordId::Expert { layer, expert }),
-                    _ => None,
-                };
-                id.and_then(|id| self.engine.record_index(&id))
-                    .ok_or_else(|| InferenceError::MissingExpert {
-                        layer,
-                        expert: e,
-                        reason: format!("layout `{}` has no record for it", self.manifest().name),
-                    })
-            })
+            .map(|&e| self.record_of(layer, e))
             .collect::<Result<Vec<usize>>>()?;
-
         let n = experts.len();
-        let pool = self.engine.pool();
-        // Room for every completion, so workers never block on this channel.
-        let (tx, rx) = bounded(n);
-        let mut outstanding = Outstanding(vec![None; n]);
-        let (mut next, mut in_flight, mut done) = (0usize, 0usize, 0usize);
-        while done < n {
-            // Submit while the pool has room (always at least one read in flight).
-            if next < n {
-                let guard = if in_flight == 0 {
-                    Some(self.submit_lock.lock().unwrap_or_else(|p| p.into_inner()))
-                } else {
-                    match self.submit_lock.try_lock() {
-                        Ok(g) => Some(g),
-                        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
-                        Err(TryLockError::WouldBlock) => None,
-                    }
-                };
-                if let Some(_guard) = guard {
-                    while next < n {
-                        let need = align_up(self.engine.record(records[next]).len.max(1));
-                        if in_flight > 0 && pool.in_use() + need > pool.cap() {
-                            break;
-                        }
-                        let ticket = self
-                            .engine
-                            .submit(
-                                Target::Record(records[next]),
-                                Lane::Demand,
-                                next as u64,
-                                tx.clone(),
-                                None,
-                            )
-                            .map_err(|source| InferenceError::ExpertRead {
-                                layer,
-                                expert: experts[next],
-                                source: Box::new(source),
-                            })?;
-                        outstanding.0[next] = Some(ticket);
-                        next += 1;
-                        in_flight += 1;
-                    }
+        st.stats.requests += n as u64;
+
+        // Score the prediction for this layer and cancel wrong guesses not yet started.
+        if let Some(pred) = st.predicted.remove(&layer) {
+            st.stats.predicted += pred.len() as u64;
+            st.stats.predicted_actual += n as u64;
+            st.stats.predicted_correct +=
+                pred.iter().filter(|e| experts.contains(e)).count() as u64;
+        }
+        for slot in st
+            .slots
+            .iter_mut()
+            .filter_map(|(k, s)| (k.0 == layer && !experts.contains(&k.1)).then_some(s))
+        {
+            if let Slot::Pending {
+                ticket,
+                prefetch: true,
+                cancelled,
+                ..
+            } = slot
+            {
+                if !*cancelled {
+                    ticket.cancel();
+                    *cancelled = true;
                 }
             }
-            let c = rx.recv().map_err(|_| InferenceError::ExpertRead {
+        }
+
+        // Classify: cached, in flight (promote prefetches), or to read.
+        let mut delivered = vec![false; n];
+        let mut ready: Vec<usize> = Vec::new();
+        let mut to_read: std::collections::VecDeque<usize> = Default::default();
+        let mut waiting = 0usize;
+        st.clock += 1;
+        let now = st.clock;
+        for i in 0..n {
+            match st.slots.get_mut(&(layer, experts[i])) {
+                Some(Slot::Ready {
+                    unused_prefetch,
+                    last_use,
+                    uses,
+                    ..
+                }) => {
+                    if *unused_prefetch {
+                        *unused_prefetch = false;
+                        st.stats.prefetch_hits += 1;
+                    } else {
+                        st.stats.cache_hits += 1;
+                    }
+                    *last_use = now;
+                    *uses += 1;
+                    ready.push(i);
+                }
+                Some(Slot::Pending {
+                    ticket,
+                    prefetch,
+                    cancelled,
+                    ..
+                }) => {
+                    if *prefetch && !*cancelled {
+                        ticket.promote();
+                        st.stats.prefetch_hits += 1;
+                    } else if *cancelled {
+                        // Re-read once the cancelled read has settled.
+                    }
+                    waiting += 1;
+                }
+                None => to_read.push_back(i),
+            }
+        }
+        let index_of = |e: usize| experts.iter().position(|&x| x == e);
+
+        // Submit what fits (never evicting experts of this batch not yet handed over), hand
+        // over cached experts while those reads run, then take reads in landing order.
+        let mut in_flight = waiting;
+        loop {
+            while let Some(&i) = to_read.front() {
+                let evictable =
+                    |k: Key| !(k.0 == layer && index_of(k.1).is_some_and(|j| !delivered[j]));
+                if self.submit(
+                    st,
+                    (layer, experts[i]),
+                    records[i],
+                    Lane::Demand,
+                    &evictable,
+                )? {
+                    to_read.pop_front();
+                    in_flight += 1;
+                } else if in_flight == 0 && ready.is_empty() {
+                    // Nothing of ours will free room: cancel other layers' prefetches and wait
+                    // for them, or give up if nothing is in flight at all.
+                    let mut any = false;
+                    for (k, s) in st.slots.iter_mut() {
+                        if let Slot::Pending {
+                            ticket, cancelled, ..
+                        } = s
+                        {
+                            if k.0 != layer {
+                                if !*cancelled {
+                                    ticket.cancel();
+                                    *cancelled = true;
+                                }
+                                any = true;
+                            }
+                        }
+                    }
+                    if !any {
+                        return Err(InferenceError::ExpertBudget {
+                            layer,
+                            expert: experts[i],
+                            need: align_up(self.engine.record(records[i]).len.max(1)),
+                            cap: self.cap,
+                        });
+                    }
+                    break;
+                } else {
+                    break;
+                }
+            }
+            if let Some(i) = ready.pop() {
+                let Some(Slot::Ready { buf, record, .. }) = st.slots.get(&(layer, experts[i]))
+                else {
+                    continue;
+                };
+                let (buf, record) = (buf.clone(), *record);
+                delivered[i] = true;
+                let view = expert_view(self.engine.record_tensors(record), &buf);
+                on_ready(experts[i], &view)?;
+                continue;
+            }
+            if delivered.iter().all(|&d| d) {
+                return Ok(());
+            }
+            let t = Instant::now();
+            let c = self.rx.recv().map_err(|_| InferenceError::ExpertRead {
                 layer,
-                expert: experts[done.min(n - 1)],
+                expert: experts[0],
                 source: Box::new(StorageError::EngineClosed),
             })?;
-            let i = c.tag as usize;
-            in_flight -= 1;
-            done += 1;
-            if let Some(slot) = outstanding.0.get_mut(i) {
-                *slot = None;
+            st.stats.stall += t.elapsed();
+            let (key, err) = self.land(st, c);
+            let mine = (key.0 == layer).then(|| index_of(key.1)).flatten();
+            let Some(i) = mine.filter(|&i| !delivered[i]) else {
+                continue; // another layer's prefetch
+            };
+            in_flight = in_flight.saturating_sub(1);
+            match err {
+                None => {
+                    if let Some(Slot::Ready {
+                        last_use,
+                        uses,
+                        unused_prefetch,
+                        ..
+                    }) = st.slots.get_mut(&key)
+                    {
+                        *last_use = now;
+                        *uses += 1;
+                        *unused_prefetch = false;
+                    }
+                    ready.push(i);
+                }
+                Some(StorageError::Cancelled) => to_read.push_back(i),
+                Some(source) => {
+                    return Err(InferenceError::ExpertRead {
+                        layer,
+                        expert: experts[i],
+                        source: Box::new(source),
+                    })
+                }
             }
-            let expert = experts.get(i).copied().unwrap_or(usize::MAX);
-            let loaded = c.result.map_err(|source| InferenceError::ExpertRead {
-                layer,
-                expert,
-                source: Box::new(source),
-            })?;
-            let tensors = self.engine.record_tensors(records[i]);
-            self.counters.experts.fetch_add(1, Ordering::Relaxed);
-            self.counters
-                .bytes
-                .fetch_add(loaded.buf.len() as u64, Ordering::Relaxed);
-            let view = expert_view(tensors, &loaded.buf);
-            on_ready(expert, &view)?;
-            // `loaded` drops here: its buffer goes back to the pool before the next submit.
         }
-        Ok(())
     }
 }
 
@@ -293,11 +746,7 @@ impl LayoutSource {
         Ok(LayoutSource {
             drive_dirs,
             resident,
-            fetcher: ExpertFetcher {
-                engine,
-                counters: FetchCounters::default(),
-                submit_lock: Mutex::new(()),
-            },
+            fetcher: ExpertFetcher::new(engine, options.buffer_cap_bytes, options.cache_policy),
         })
     }
 
@@ -328,17 +777,19 @@ impl LayoutSource {
     }
 
     pub fn stats(&self) -> LayoutStats {
-        let c = &self.fetcher.counters;
-        let expert_bytes = c.bytes.load(Ordering::Relaxed);
+        let f = self.fetcher.stats();
         LayoutStats {
             resident_records: self.resident.records.len(),
             resident_bytes: self.resident.bytes,
             resident_load_time: self.resident.load_time,
-            experts_fetched: c.experts.load(Ordering::Relaxed),
-            expert_bytes,
-            expert_batches: c.batches.load(Ordering::Relaxed),
-            bytes_read: self.resident.bytes + expert_bytes,
+            experts_fetched: f.reads,
+            expert_bytes: f.read_bytes,
+            expert_batches: f.batches,
+            bytes_read: self.resident.bytes + f.read_bytes,
             drives: self.fetcher.engine.stats(),
+            fetch: f,
+            expert_memory_bytes: self.fetcher.used(),
+            expert_memory_cap: self.fetcher.cap,
         }
     }
 }
@@ -466,6 +917,14 @@ impl WeightSource for LayoutSource {
         on_ready: &mut ExpertCallback<'_>,
     ) -> Result<()> {
         self.fetcher.fetch(layer, experts, on_ready)
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) {
+        self.fetcher.prefetch(layer, experts);
+    }
+
+    fn wants_prefetch(&self) -> bool {
+        true
     }
 
     fn has_tensor(&self, name: &str) -> bool {

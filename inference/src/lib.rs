@@ -85,7 +85,9 @@ pub mod weights;
 pub use config::{DeepseekV3Config, HiddenAct, ModelConfig, Qwen3MoeConfig, RopeParameters};
 pub use error::{ConfigError, InferenceError, Result};
 pub use generate::{generate, GenerateConfig, GenerateOutput, StopReason};
-pub use layout_source::{LayoutSource, LayoutSourceOptions, LayoutStats, LoadProgress};
+pub use layout_source::{
+    CachePolicy, FetchStats, LayoutSource, LayoutSourceOptions, LayoutStats, LoadProgress,
+};
 pub use model::{ForwardTrace, Logits, LogitsMode, Model, Session};
 pub use sampler::{Rng, Sampler, SamplerConfig};
 pub use weights::{DirSource, ExpertPartRef, ExpertView, TensorRef, WeightSource};

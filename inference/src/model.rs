@@ -2,7 +2,7 @@
 //! pre-normed, joined by a [`ResidualMixer`]), the final norm and the LM head.
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::ModelConfig;
@@ -148,6 +148,8 @@ pub struct Model {
     /// `[vocab, hidden]`; `None` when tied to the embeddings.
     lm_head: Option<Linear>,
     residual: Box<dyn ResidualMixer>,
+    /// Predict each next MoE layer's experts and ask the source to prefetch them.
+    prefetch: AtomicBool,
 }
 
 impl std::fmt::Debug for dyn WeightSource {
@@ -177,6 +179,7 @@ impl Model {
 
     /// Assemble a model from prepared parts (custom architectures).
     pub fn from_parts(parts: ModelParts, source: Arc<dyn WeightSource>) -> Model {
+        let prefetch = AtomicBool::new(source.wants_prefetch());
         Model {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
             config: parts.config,
@@ -186,7 +189,20 @@ impl Model {
             norm: parts.norm,
             lm_head: parts.lm_head,
             residual: parts.residual,
+            prefetch,
         }
+    }
+
+    /// Next-layer prefetch: while layer L runs, apply layer L+1's router to the hidden state
+    /// after L's attention and pass the predicted experts to [`WeightSource::prefetch`]. On by
+    /// default when the source [wants it](WeightSource::wants_prefetch). Results do not depend
+    /// on it.
+    pub fn set_next_layer_prefetch(&self, on: bool) {
+        self.prefetch.store(on, Ordering::Relaxed);
+    }
+
+    pub fn next_layer_prefetch(&self) -> bool {
+        self.prefetch.load(Ordering::Relaxed)
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -304,6 +320,19 @@ impl Model {
                 .apply(&self.residual.block_input(li, 0, &streams));
             let y = layer.mixer.forward(&x, n, state)?;
             self.residual.block_output(li, 0, &mut streams, &y);
+
+            if let Some(next) = self
+                .layers
+                .get(li + 1)
+                .filter(|_| self.next_layer_prefetch())
+            {
+                let xn = next
+                    .post_attention_layernorm
+                    .apply(&self.residual.block_input(li + 1, 1, &streams));
+                if let Some(experts) = next.ffn.predict_experts(&xn, n) {
+                    self.source.prefetch(next.index, &experts);
+                }
+            }
 
             let x = layer
                 .post_attention_layernorm

@@ -97,6 +97,17 @@ pub trait WeightSource: Send + Sync {
         on_ready: &mut ExpertCallback<'_>,
     ) -> Result<()>;
 
+    /// A hint that `experts` of decoder layer `layer` will probably be requested soon (e.g.
+    /// predicted by applying that layer's router to the current hidden state). Sources that
+    /// read from drives may start reading them at low priority. The default does nothing.
+    fn prefetch(&self, _layer: usize, _experts: &[usize]) {}
+
+    /// Whether [`WeightSource::prefetch`] does anything (the model then predicts each next
+    /// layer's experts). The default is `false`.
+    fn wants_prefetch(&self) -> bool {
+        false
+    }
+
     /// Whether a resident tensor exists. The default asks [`WeightSource::tensor`].
     fn has_tensor(&self, name: &str) -> bool {
         self.tensor(name).is_ok()
