@@ -22,8 +22,11 @@ while [ $# -gt 0 ]; do
 done
 source "$here/emulated_drives.sh"
 export BENCH_CMD="benches/io_scaling.sh $ORIG_ARGS"
-cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
-bin="$repo/target/release/deltafin"
+bin=${DELTAFIN_BIN:-}
+if [ -z "$bin" ]; then
+    cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
+    bin="$repo/target/release/deltafin"
+fi
 work=${BENCH_WORK:-/var/tmp/deltafin-bench-model}
 if [ ! -f "$work/$PRESET/config.json" ]; then
     "$bin" synth --out "$work/$PRESET" --preset "$PRESET" --seed 1 --force -q

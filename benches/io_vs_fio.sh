@@ -12,8 +12,11 @@ while [ $# -gt 0 ]; do
         *) echo "unknown option $1" >&2; exit 2 ;;
     esac
 done
-cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
-bin="$repo/target/release/deltafin"
+bin=${DELTAFIN_BIN:-}
+if [ -z "$bin" ]; then
+    cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
+    bin="$repo/target/release/deltafin"
+fi
 work=${BENCH_WORK:-/var/tmp/deltafin-bench-model}
 [ -f "$work/$PRESET/config.json" ] || "$bin" synth --out "$work/$PRESET" --preset "$PRESET" --seed 1 --force -q
 dirs=$(mktemp -d /var/tmp/deltafin-4dir.XXXX)

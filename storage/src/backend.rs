@@ -111,6 +111,11 @@ pub enum Fault {
     ShortReads,
     /// Every read sleeps this long first.
     Latency(Duration),
+    /// Reads of files whose path contains `path_contains` sleep this long first (a slow drive).
+    SlowPath {
+        path_contains: String,
+        delay: Duration,
+    },
     /// Reads of matching files see this byte flipped (silent corruption).
     FlipByte { path_contains: String, offset: u64 },
 }
@@ -168,6 +173,10 @@ impl IoFile for FaultyFile {
                 }
                 Fault::ShortReads => limit = (buf.len() / 2).max(512).min(buf.len()),
                 Fault::Latency(d) => std::thread::sleep(*d),
+                Fault::SlowPath {
+                    path_contains,
+                    delay,
+                } if self.path.contains(path_contains.as_str()) => std::thread::sleep(*delay),
                 _ => {}
             }
         }

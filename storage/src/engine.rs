@@ -287,7 +287,7 @@ pub struct Engine {
     workers: Vec<JoinHandle<()>>,
     threads_per_drive: usize,
     /// Kept to fail leftover jobs at shutdown.
-    receivers: Vec<(Receiver<Job>, Receiver<Job>)>,
+    receivers: Arc<Vec<(Receiver<Job>, Receiver<Job>)>>,
 }
 
 impl Engine {
@@ -347,13 +347,14 @@ impl Engine {
             index,
         });
         let mut workers = Vec::new();
-        for (d, (drx, prx)) in receivers.iter().enumerate() {
+        let receivers = Arc::new(receivers);
+        for d in 0..receivers.len() {
             for t in 0..config.threads_per_drive {
                 let shared = shared.clone();
-                let (drx, prx) = (drx.clone(), prx.clone());
+                let lanes = receivers.clone();
                 let h = std::thread::Builder::new()
                     .name(format!("deltafin-io-d{d}-{t}"))
-                    .spawn(move || worker(shared, d, drx, prx))
+                    .spawn(move || worker(shared, d, lanes))
                     .map_err(|e| StorageError::io(&PathBuf::from("<thread>"), "spawn", e))?;
                 workers.push(h);
             }
@@ -578,7 +579,7 @@ impl Drop for Engine {
             let _ = w.join();
         }
         // Fail what is still queued so no requester waits forever.
-        for (demand, prefetch) in &self.receivers {
+        for (demand, prefetch) in self.receivers.iter() {
             for j in demand.try_iter().chain(prefetch.try_iter()) {
                 if let Job::Read { req, piece } = j {
                     if !req.pieces[piece].claimed.swap(true, Ordering::AcqRel) {
@@ -604,15 +605,63 @@ fn least_loaded(drives: &[Drive]) -> usize {
     best
 }
 
-fn worker(shared: Arc<Shared>, d: usize, demand: Receiver<Job>, prefetch: Receiver<Job>) {
+/// Take the next job for drive `d`'s worker: own demand, (replicate: other drives' demand),
+/// own prefetch, (replicate: other drives' prefetch), else wait. Returns `None` to exit.
+///
+/// In replicate mode every drive holds every byte, so an idle worker steals pieces queued for a
+/// busier drive: the submit-time choice (fewest outstanding bytes) balances equal drives, and
+/// stealing corrects it when one drive turns out slower.
+fn next_job(
+    shared: &Shared,
+    d: usize,
+    lanes: &[(Receiver<Job>, Receiver<Job>)],
+    steal: bool,
+) -> Option<Job> {
+    let (demand, prefetch) = &lanes[d];
     loop {
-        let job = match demand.try_recv() {
-            Ok(j) => j,
-            Err(_) => select_biased! {
-                recv(demand) -> j => match j { Ok(j) => j, Err(_) => return },
-                recv(prefetch) -> j => match j { Ok(j) => j, Err(_) => return },
-            },
+        if let Ok(j) = demand.try_recv() {
+            return Some(j);
+        }
+        if steal {
+            for lane in [0usize, 1] {
+                if lane == 1 {
+                    if let Ok(j) = prefetch.try_recv() {
+                        return Some(j);
+                    }
+                }
+                for (o, pair) in lanes.iter().enumerate() {
+                    if o == d {
+                        continue;
+                    }
+                    let rx = if lane == 0 { &pair.0 } else { &pair.1 };
+                    match rx.try_recv() {
+                        Ok(Job::Stop) => {
+                            // Another worker's stop: give it back; shutdown is under way.
+                            let _ = shared.drives[o].lanes[0].send(Job::Stop);
+                            return None;
+                        }
+                        Ok(j) => return Some(j),
+                        Err(_) => {}
+                    }
+                }
+            }
+            // Nothing anywhere: wait on our own lanes, waking now and then to look for work to steal.
+            select_biased! {
+                recv(demand) -> j => return j.ok(),
+                recv(prefetch) -> j => return j.ok(),
+                default(Duration::from_millis(1)) => continue,
+            }
+        }
+        return select_biased! {
+            recv(demand) -> j => j.ok(),
+            recv(prefetch) -> j => j.ok(),
         };
+    }
+}
+
+fn worker(shared: Arc<Shared>, d: usize, lanes: Arc<Vec<(Receiver<Job>, Receiver<Job>)>>) {
+    let steal = shared.manifest.mode == Mode::Replicate && lanes.len() > 1;
+    while let Some(job) = next_job(&shared, d, &lanes, steal) {
         let (req, piece) = match job {
             Job::Stop => return,
             Job::Read { req, piece } => (req, piece),
@@ -625,8 +674,14 @@ fn worker(shared: Arc<Shared>, d: usize, demand: Receiver<Job>, prefetch: Receiv
             finish_piece(&shared, &req, piece, false);
             continue;
         }
-        let drive = &shared.drives[d];
         let p = slot.piece;
+        // Raw reads name their drive; record pieces in replicate mode may be served by any.
+        let rd = if steal && matches!(req.target, Target::Record(_)) {
+            d
+        } else {
+            p.drive
+        };
+        let drive = &shared.drives[rd];
         // SAFETY: [buf_offset, buf_offset+len) lies within the buffer's capacity (pieces cover
         // the aligned payload length, which the buffer was sized for), no other piece overlaps
         // it, and the buffer is not read until every piece is finished.
@@ -634,7 +689,7 @@ fn worker(shared: Arc<Shared>, d: usize, demand: Receiver<Job>, prefetch: Receiv
             std::slice::from_raw_parts_mut(req.ptr.0.add(p.buf_offset as usize), p.len as usize)
         };
         drive.busy_enter();
-        let result = read_full(drive, d, dst, p.file_offset);
+        let result = read_full(drive, rd, dst, p.file_offset);
         drive.busy_leave();
         match result {
             Ok(()) => {

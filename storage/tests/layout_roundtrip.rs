@@ -457,3 +457,58 @@ fn bad_inputs_name_what_is_wrong() {
         "{msg}"
     );
 }
+
+/// Replicate mode sends each piece to the drive with the fewest outstanding bytes: with equal
+/// drives the load is shared; with one slow drive the fast one serves most of it.
+#[test]
+fn replicate_reads_go_to_the_least_loaded_drive() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, 4096), &NoProgress).unwrap();
+    let experts: Vec<usize> = m
+        .records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| matches!(r.id, RecordId::Expert { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    let run = |faults: Vec<Fault>| {
+        let backend = Arc::new(FaultyBackend::new(
+            Arc::new(PosixBackend::default()),
+            faults,
+        ));
+        let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
+        let cfg = EngineConfig {
+            threads_per_drive: 2,
+            buffer_cap_bytes: 64 << 20,
+            queue_capacity: 4096,
+            hash_check: HashCheck::All,
+            backend,
+        };
+        let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+        let (rx, _t) = engine.fetch(&experts, Lane::Demand).unwrap();
+        for c in rx.iter().take(experts.len()) {
+            c.result.unwrap();
+        }
+        engine
+            .stats()
+            .iter()
+            .map(|s| s.bytes_read)
+            .collect::<Vec<u64>>()
+    };
+    let even = run(vec![]);
+    let total = (even[0] + even[1]) as f64;
+    assert!(
+        even.iter().all(|&b| b as f64 > 0.3 * total),
+        "equal drives share the load: {even:?}"
+    );
+    let skewed = run(vec![Fault::SlowPath {
+        path_contains: "drive0".into(),
+        delay: Duration::from_millis(5),
+    }]);
+    assert!(
+        skewed[1] as f64 > 0.8 * (skewed[0] + skewed[1]) as f64,
+        "the fast drive serves most: {skewed:?}"
+    );
+}
