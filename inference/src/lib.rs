@@ -72,6 +72,7 @@ pub mod config;
 pub mod error;
 pub mod ffn;
 pub mod generate;
+pub mod kernels;
 pub mod layout_source;
 pub mod linear;
 mod loader;

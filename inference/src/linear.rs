@@ -16,6 +16,7 @@ use deltafin_storage::safetensors::Dtype;
 use rayon::prelude::*;
 
 use crate::error::{InferenceError, Result};
+use crate::kernels::Kind as Kernel;
 use crate::weights::TensorRef;
 
 /// How the bytes of a weight matrix encode its values.
@@ -37,6 +38,11 @@ pub enum WeightFormat {
     },
     /// E2M1 nibbles (element 2b = low nibble of byte b), one E8M0 scale per `group` columns.
     Mxfp4 {
+        group: usize,
+    },
+    /// int8 values (`weight_packed` I8 `[rows, cols]`), one scale (F16, also BF16/F32) per
+    /// `group` consecutive columns (`weight_scale` `[rows, cols/group]`); `w = q * scale`.
+    Q8 {
         group: usize,
     },
 }
@@ -72,8 +78,9 @@ impl ScaleType {
         })
     }
 
+    /// Scale `i` of `bytes` as f32.
     #[inline]
-    fn get(self, bytes: &[u8], i: usize) -> f32 {
+    pub fn get(self, bytes: &[u8], i: usize) -> f32 {
         match self {
             ScaleType::None => 1.0,
             ScaleType::F32 => f32::from_le_bytes([
@@ -91,10 +98,7 @@ impl ScaleType {
     }
 }
 
-#[inline]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
+pub use crate::kernels::scalar::{bf16_to_f32, dot, fp8_e4m3_to_f32};
 
 /// `2^(e-127)`; 255 is NaN.
 #[inline]
@@ -105,37 +109,6 @@ pub fn e8m0_to_f32(e: u8) -> f32 {
         e => f32::from_bits((e as u32) << 23),
     }
 }
-
-/// FP8 e4m3fn (bias 7, subnormals, no infinities, 0x7f/0xff NaN).
-pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let exp = ((b >> 3) & 0xf) as i32;
-    let man = (b & 0x7) as f32;
-    let mag = if exp == 0 {
-        man / 8.0 * 2f32.powi(-6)
-    } else if exp == 15 && b & 0x7 == 7 {
-        f32::NAN
-    } else {
-        (1.0 + man / 8.0) * 2f32.powi(exp - 7)
-    };
-    sign * mag
-}
-
-fn fp8_lut() -> &'static [f32; 256] {
-    static LUT: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
-    LUT.get_or_init(|| {
-        let mut t = [0f32; 256];
-        for (i, v) in t.iter_mut().enumerate() {
-            *v = fp8_e4m3_to_f32(i as u8);
-        }
-        t
-    })
-}
-
-/// E2M1 nibble -> value (bit 3 is the sign).
-const MXFP4_LUT: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
 
 /// A weight matrix borrowing its bytes. Constructed only through checked constructors, so the
 /// byte lengths always match the shape and every kernel indexes in bounds.
@@ -197,6 +170,16 @@ impl<'a> WeightMatrix<'a> {
                     rows * ceil_div(cols, 2),
                     rows * ceil_div(cols, group),
                     &[ScaleType::E8m0],
+                )
+            }
+            WeightFormat::Q8 { group } => {
+                if group == 0 {
+                    return Err("Q8 group size must be > 0".into());
+                }
+                (
+                    rows * cols,
+                    rows * ceil_div(cols, group) * scale_type.size(),
+                    &[ScaleType::F16, ScaleType::Bf16, ScaleType::F32],
                 )
             }
         };
@@ -271,6 +254,10 @@ impl<'a> WeightMatrix<'a> {
             WeightFormat::Mxfp4 { group } => {
                 sub(ceil_div(self.cols, 2), ceil_div(self.cols, group))
             }
+            WeightFormat::Q8 { group } => sub(
+                self.cols,
+                ceil_div(self.cols, group) * self.scale_type.size(),
+            ),
             WeightFormat::Fp8Block {
                 block_rows,
                 block_cols,
@@ -295,79 +282,54 @@ impl<'a> WeightMatrix<'a> {
         }
     }
 
-    /// Decode row `r` into `out[..cols]` as f32.
+    /// Decode row `r` into `out[..cols]` as f32 (the scalar reference decoder).
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
-        let c = self.cols;
-        let out = &mut out[..c];
+        let kind = Kernel::of(self.format);
+        let rb = kind.row_bytes(self.cols);
+        let mut scales = Vec::new();
+        self.row_scales(r, &mut scales);
+        crate::kernels::scalar::decode_row(
+            kind,
+            &self.data[r * rb..(r + 1) * rb],
+            &scales,
+            self.cols,
+            out,
+        );
+    }
+
+    /// Row `r`'s scales as f32 (one per group / column block; `[1.0]` for unscaled formats).
+    pub fn row_scales(&self, r: usize, out: &mut Vec<f32>) {
+        out.clear();
+        let cols = self.cols;
         match self.format {
-            WeightFormat::F32 => {
-                let row = &self.data[r * c * 4..(r + 1) * c * 4];
-                for (o, b) in out.iter_mut().zip(row.chunks_exact(4)) {
-                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-            WeightFormat::Bf16 => {
-                let row = &self.data[r * c * 2..(r + 1) * c * 2];
-                for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
-                    *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-                }
-            }
-            WeightFormat::F16 => {
-                let row = &self.data[r * c * 2..(r + 1) * c * 2];
-                for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
-                    *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
-                }
-            }
+            WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => out.push(1.0),
             WeightFormat::Fp8Block {
                 block_rows,
                 block_cols,
             } => {
-                let lut = fp8_lut();
-                let row = &self.data[r * c..(r + 1) * c];
-                let sc = ceil_div(c, block_cols);
-                let sbase = (r / block_rows) * sc;
-                for (bi, (o, w)) in out
-                    .chunks_mut(block_cols)
-                    .zip(row.chunks(block_cols))
-                    .enumerate()
-                {
-                    let s = self.scale_type.get(self.scale, sbase + bi);
-                    for (o, &w) in o.iter_mut().zip(w) {
-                        *o = lut[w as usize] * s;
-                    }
-                }
+                let sc = ceil_div(cols, block_cols);
+                let base = (r / block_rows) * sc;
+                out.extend((0..sc).map(|i| self.scale_type.get(self.scale, base + i)));
             }
-            WeightFormat::Int4Group { group } => {
-                let words = ceil_div(c, 8);
-                let row = &self.data[r * words * 4..(r + 1) * words * 4];
-                for (w, o) in row.chunks_exact(4).zip(out.chunks_mut(8)) {
-                    let word = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
-                    for (k, o) in o.iter_mut().enumerate() {
-                        *o = (((word >> (4 * k)) & 0xf) as i32 - 8) as f32;
-                    }
-                }
-                self.scale_groups(r, group, out);
-            }
-            WeightFormat::Mxfp4 { group } => {
-                let row = &self.data[r * ceil_div(c, 2)..(r + 1) * ceil_div(c, 2)];
-                for (&b, o) in row.iter().zip(out.chunks_mut(2)) {
-                    o[0] = MXFP4_LUT[(b & 0xf) as usize];
-                    if let Some(hi) = o.get_mut(1) {
-                        *hi = MXFP4_LUT[(b >> 4) as usize];
-                    }
-                }
-                self.scale_groups(r, group, out);
+            WeightFormat::Int4Group { group }
+            | WeightFormat::Mxfp4 { group }
+            | WeightFormat::Q8 { group } => {
+                let g = ceil_div(cols, group);
+                out.extend((r * g..(r + 1) * g).map(|i| self.scale_type.get(self.scale, i)));
             }
         }
     }
 
-    /// Multiply each `group`-column run of row `r` by its scale.
-    fn scale_groups(&self, r: usize, group: usize, out: &mut [f32]) {
-        let groups = ceil_div(self.cols, group);
-        for (g, chunk) in out.chunks_mut(group).enumerate() {
-            let s = self.scale_type.get(self.scale, r * groups + g);
-            chunk.iter_mut().for_each(|v| *v *= s);
-        }
+    /// The raw weight bytes.
+    pub fn data_bytes(&self) -> &'a [u8] {
+        self.data
+    }
+    /// The raw scale bytes.
+    pub fn scale_bytes(&self) -> &'a [u8] {
+        self.scale
+    }
+    pub fn scale_type(&self) -> ScaleType {
+        self.scale_type
     }
 
     /// The whole matrix as row-major f32 `[rows, cols]`.
@@ -385,65 +347,11 @@ impl<'a> WeightMatrix<'a> {
     }
 
     /// `out[t, r] = dot(W[r], x[t])` for `n` inputs: `x` is `[n, cols]`, `out` is `[n, rows]`.
-    /// Each weight row is decoded once and used for all `n` inputs.
+    /// Each weight row is decoded once per pair of inputs, in registers, by the best kernels
+    /// this CPU runs ([`crate::kernels`]), with f32 activations.
     pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        let (rows, cols) = (self.rows, self.cols);
-        assert_eq!(x.len(), n * cols, "matmul input length");
-        assert_eq!(out.len(), n * rows, "matmul output length");
-        if n == 0 || rows == 0 {
-            return;
-        }
-        let block = (65536 / cols.max(1)).clamp(1, 256);
-        if n == 1 {
-            out.par_chunks_mut(block).enumerate().for_each(|(bi, o)| {
-                let mut buf = vec![0f32; cols];
-                for (i, o) in o.iter_mut().enumerate() {
-                    self.decode_row(bi * block + i, &mut buf);
-                    *o = dot(&buf, x);
-                }
-            });
-            return;
-        }
-        // Transposed scratch [rows, n] so that each task writes a contiguous range.
-        let mut tmp = vec![0f32; rows * n];
-        tmp.par_chunks_mut(block * n)
-            .enumerate()
-            .for_each(|(bi, o)| {
-                let mut buf = vec![0f32; cols];
-                for (i, orow) in o.chunks_mut(n).enumerate() {
-                    self.decode_row(bi * block + i, &mut buf);
-                    for (t, v) in orow.iter_mut().enumerate() {
-                        *v = dot(&buf, &x[t * cols..(t + 1) * cols]);
-                    }
-                }
-            });
-        for (r, trow) in tmp.chunks(n).enumerate() {
-            for (t, &v) in trow.iter().enumerate() {
-                out[t * rows + r] = v;
-            }
-        }
+        crate::kernels::matmul(self, x, n, out, crate::kernels::Act::F32)
     }
-}
-
-/// Dot product with 8 independent f32 accumulators.
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for j in 0..8 {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ta.iter().zip(tb) {
-        tail += x * y;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// Quantization settings from `config.json` that the checkpoint's tensors do not state.
@@ -639,6 +547,15 @@ pub(crate) fn resolve_matrix<'a>(
                 };
                 (WeightFormat::Int4Group { group }, ceil_div(cols, 8), st)
             }
+            Dtype::I8 => {
+                let st = match s.dtype {
+                    Dtype::F32 | Dtype::Bf16 | Dtype::F16 => {
+                        ScaleType::from_dtype(&s.dtype).unwrap_or(ScaleType::F16)
+                    }
+                    ref d => return Err(dtype_err(sname, "F16, BF16 or F32", d)),
+                };
+                (WeightFormat::Q8 { group }, cols, st)
+            }
             Dtype::U8 => {
                 if s.dtype != Dtype::U8 {
                     return Err(dtype_err(sname, "U8 (E8M0)", &s.dtype));
@@ -652,7 +569,7 @@ pub(crate) fn resolve_matrix<'a>(
             ref d => {
                 return Err(dtype_err(
                     pname,
-                    "I32 (INT4 pack-quantized) or U8 (MXFP4)",
+                    "I32 (INT4 pack-quantized), U8 (MXFP4) or I8 (Q8)",
                     d,
                 ))
             }

@@ -1,0 +1,366 @@
+//! Weight-format kernels: `y = W x` for one input (matvec, decode) or a few (matmul, up to 16
+//! rows per weight pass), organised like `memchr`: one portable reference in [`scalar`], one
+//! AVX2+FMA(+F16C) implementation in `x86` chosen at run time with `is_x86_feature_detected!`,
+//! one NEON implementation in `aarch64` (compiled only there), and a scalar fallback.
+//!
+//! Every implementation works on one weight row at a time: `row_dot(row bytes, row scales,
+//! inputs) -> [n]`. The driver ([`matmul`]) splits the rows into rayon tasks, converts each
+//! task's scales to f32 once (so every kernel reads plain f32 scales), prepares the inputs once
+//! per call, and picks the implementation.
+//!
+//! Two activation precisions ([`Act`]):
+//! - [`Act::F32`]: inputs stay f32, weights are dequantized in registers and multiplied in f32.
+//!   This is what the model uses (fixture logits stay within 1e-4 of the f32 reference).
+//! - [`Act::I8`]: for the integer formats (INT4, MXFP4, Q8), inputs are quantized on the fly to
+//!   int8 per 32-value block (absmax / 127, like llama.cpp's Q8_0) and the dot products run in
+//!   integer arithmetic (`vpmaddubsw`/`vpmaddwd`), scaled per block. Relative error stays within
+//!   about 1% of the output's norm; other formats ignore it and run in f32.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::linear::{WeightFormat, WeightMatrix};
+
+#[cfg(target_arch = "aarch64")]
+mod aarch64;
+pub mod quant;
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// Columns per activation-quantization block and per SIMD step of the packed formats.
+pub const BLOCK: usize = 32;
+
+/// Instruction set used by the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust (the reference).
+    Scalar,
+    /// x86_64 AVX2 + FMA + F16C.
+    Avx2,
+    /// aarch64 Advanced SIMD.
+    Neon,
+}
+
+impl Isa {
+    /// Whether this machine can run `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The best available instruction set; `DELTAFIN_KERNELS=scalar` forces the reference.
+    pub fn detect() -> Isa {
+        static ISA: OnceLock<Isa> = OnceLock::new();
+        *ISA.get_or_init(|| {
+            if std::env::var("DELTAFIN_KERNELS").is_ok_and(|v| v == "scalar") {
+                return Isa::Scalar;
+            }
+            [Isa::Avx2, Isa::Neon]
+                .into_iter()
+                .find(|i| i.available())
+                .unwrap_or(Isa::Scalar)
+        })
+    }
+}
+
+/// Precision of the activations inside the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    F32,
+    /// int8 per 32-value block (INT4 / MXFP4 / Q8 weights only; others run in f32).
+    I8,
+}
+
+/// The per-row view of a format the kernels take: row bytes plus f32 scales.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    F32,
+    F16,
+    Bf16,
+    /// e4m3 bytes; one scale per `block` columns.
+    Fp8 {
+        block: usize,
+    },
+    /// offset-binary nibbles, 8 per LE u32 word; one scale per `group` columns.
+    Int4 {
+        group: usize,
+    },
+    /// e2m1 nibbles, element 2b = low nibble of byte b; one scale per `group` columns.
+    Mxfp4 {
+        group: usize,
+    },
+    /// int8 values; one scale per `group` columns.
+    Q8 {
+        group: usize,
+    },
+}
+
+impl Kind {
+    pub fn of(f: WeightFormat) -> Kind {
+        match f {
+            WeightFormat::F32 => Kind::F32,
+            WeightFormat::F16 => Kind::F16,
+            WeightFormat::Bf16 => Kind::Bf16,
+            WeightFormat::Fp8Block { block_cols, .. } => Kind::Fp8 { block: block_cols },
+            WeightFormat::Int4Group { group } => Kind::Int4 { group },
+            WeightFormat::Mxfp4 { group } => Kind::Mxfp4 { group },
+            WeightFormat::Q8 { group } => Kind::Q8 { group },
+        }
+    }
+
+    /// Columns sharing one scale (`cols` for unscaled formats).
+    pub fn group(self, cols: usize) -> usize {
+        match self {
+            Kind::F32 | Kind::F16 | Kind::Bf16 => cols.max(1),
+            Kind::Fp8 { block } => block,
+            Kind::Int4 { group } | Kind::Mxfp4 { group } | Kind::Q8 { group } => group,
+        }
+    }
+
+    /// Bytes of one row of `cols` values.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        match self {
+            Kind::F32 => cols * 4,
+            Kind::F16 | Kind::Bf16 => cols * 2,
+            Kind::Fp8 { .. } | Kind::Q8 { .. } => cols,
+            Kind::Int4 { .. } => cols.div_ceil(8) * 4,
+            Kind::Mxfp4 { .. } => cols.div_ceil(2),
+        }
+    }
+
+    /// Whether the integer-activation path applies.
+    pub fn integer(self) -> bool {
+        matches!(
+            self,
+            Kind::Int4 { .. } | Kind::Mxfp4 { .. } | Kind::Q8 { .. }
+        )
+    }
+
+    /// Whether the SIMD kernels handle this shape (whole 32-column steps inside each group);
+    /// other shapes run the scalar reference.
+    pub fn simd_shape(self, cols: usize) -> bool {
+        cols % BLOCK == 0 && self.group(cols) % BLOCK == 0
+    }
+}
+
+/// Inputs prepared once per call.
+#[derive(Debug)]
+pub enum Inputs<'x> {
+    /// `[n, cols]` f32.
+    F32(&'x [f32]),
+    /// `[n, cols]` int8 with `[n, cols/32]` scales; for 4-bit formats every 32-block is stored
+    /// evens first then odds (the order the nibbles unpack in).
+    I8 { q: Vec<i8>, d: Vec<f32> },
+}
+
+/// Quantize `x [n, cols]` (cols a multiple of 32) to int8 blocks for `kind`.
+pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
+    let blocks = x.len() / BLOCK;
+    let mut q = vec![0i8; x.len()];
+    let mut d = vec![0f32; blocks];
+    let four_bit = matches!(kind, Kind::Int4 { .. } | Kind::Mxfp4 { .. });
+    // MXFP4 codes are stored doubled (integers -12..12), so halve the block scale.
+    let extra = if matches!(kind, Kind::Mxfp4 { .. }) {
+        0.5
+    } else {
+        1.0
+    };
+    debug_assert_eq!(cols % BLOCK, 0);
+    for ((xb, qb), db) in x
+        .chunks_exact(BLOCK)
+        .zip(q.chunks_exact_mut(BLOCK))
+        .zip(d.iter_mut())
+    {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let s = amax / 127.0;
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        *db = s * extra;
+        for (i, &v) in xb.iter().enumerate() {
+            let dst = if four_bit {
+                if i % 2 == 0 {
+                    i / 2
+                } else {
+                    16 + i / 2
+                }
+            } else {
+                i
+            };
+            qb[dst] = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        }
+    }
+    Inputs::I8 { q, d }
+}
+
+/// Scales of rows `r0..r1` as f32, `[r1-r0, groups]` (FP8: the scale row of each row's block).
+fn row_scales(m: &WeightMatrix<'_>, r0: usize, r1: usize, out: &mut Vec<f32>) {
+    let (scale, st) = (m.scale_bytes(), m.scale_type());
+    out.clear();
+    let cols = m.cols();
+    match m.format() {
+        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => {
+            out.resize(r1 - r0, 1.0);
+        }
+        WeightFormat::Fp8Block {
+            block_rows,
+            block_cols,
+        } => {
+            let sc = cols.div_ceil(block_cols);
+            for r in r0..r1 {
+                let base = (r / block_rows) * sc;
+                out.extend((0..sc).map(|i| st.get(scale, base + i)));
+            }
+        }
+        WeightFormat::Int4Group { group }
+        | WeightFormat::Mxfp4 { group }
+        | WeightFormat::Q8 { group } => {
+            let g = cols.div_ceil(group);
+            out.extend((r0 * g..r1 * g).map(|i| st.get(scale, i)));
+        }
+    }
+}
+
+/// One row against `n` inputs: `out[t] = dot(W[row], x[t])`.
+#[allow(clippy::too_many_arguments)]
+fn row_dot(
+    isa: Isa,
+    kind: Kind,
+    row: &[u8],
+    scales: &[f32],
+    x: &Inputs<'_>,
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let simd = isa != Isa::Scalar && kind.simd_shape(cols);
+    match x {
+        Inputs::F32(x) => {
+            if simd {
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx2 {
+                    // SAFETY: `Isa::Avx2` is only selected when `available()` saw AVX2, FMA
+                    // and F16C; `simd_shape` holds and the slices have the lengths
+                    // `x86::row_f32` documents (row = row_bytes(cols), scales = cols/group,
+                    // x = n*cols, out = n), all checked by `matmul`.
+                    unsafe { x86::row_f32(kind, row, scales, x, cols, n, out) };
+                    return;
+                }
+                #[cfg(target_arch = "aarch64")]
+                if isa == Isa::Neon && aarch64::supports(kind) {
+                    // SAFETY: `Isa::Neon` is only selected when NEON was detected; the lengths
+                    // are the ones `aarch64::row_f32` documents, checked by `matmul`.
+                    unsafe { aarch64::row_f32(kind, row, scales, x, cols, n, out) };
+                    return;
+                }
+            }
+            scalar::row_f32(kind, row, scales, x, cols, n, out)
+        }
+        Inputs::I8 { q, d } => {
+            #[cfg(target_arch = "x86_64")]
+            if simd && isa == Isa::Avx2 {
+                // SAFETY: as above; `q` is `n*cols` and `d` is `n*cols/32`.
+                unsafe { x86::row_i8(kind, row, scales, q, d, cols, n, out) };
+                return;
+            }
+            scalar::row_i8(kind, row, scales, q, d, cols, n, out)
+        }
+    }
+}
+
+/// `out[t, r] = dot(W[r], x[t])`: `x` is `[n, cols]`, `out` is `[n, rows]`, on the detected ISA.
+pub fn matmul(m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
+    matmul_with(Isa::detect(), m, x, n, out, act)
+}
+
+/// [`matmul`] on a chosen instruction set (falls back to scalar if `isa` is unavailable).
+pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
+    let (rows, cols) = (m.rows(), m.cols());
+    assert_eq!(x.len(), n * cols, "matmul input length");
+    assert_eq!(out.len(), n * rows, "matmul output length");
+    if n == 0 || rows == 0 {
+        return;
+    }
+    let isa = if isa.available() { isa } else { Isa::Scalar };
+    let kind = Kind::of(m.format());
+    let xin = if act == Act::I8 && kind.integer() && kind.simd_shape(cols) {
+        quantize_inputs(kind, x, cols)
+    } else {
+        Inputs::F32(x)
+    };
+    let rb = kind.row_bytes(cols);
+    let data = m.data_bytes();
+    // About 64 KiB of weights per task.
+    let block = (65536 / rb.max(1)).clamp(1, 256);
+    let task = |bi: usize, o: &mut [f32]| {
+        let r0 = bi * block;
+        let nr = o.len() / n;
+        let mut scales = Vec::new();
+        row_scales(m, r0, r0 + nr, &mut scales);
+        let per_row = scales.len() / nr;
+        for (i, orow) in o.chunks_mut(n).enumerate() {
+            let r = r0 + i;
+            row_dot(
+                isa,
+                kind,
+                &data[r * rb..(r + 1) * rb],
+                &scales[i * per_row..(i + 1) * per_row],
+                &xin,
+                cols,
+                n,
+                orow,
+            );
+        }
+    };
+    if n == 1 {
+        out.par_chunks_mut(block)
+            .enumerate()
+            .for_each(|(bi, o)| task(bi, o));
+        return;
+    }
+    // Transposed scratch [rows, n] so that each task writes a contiguous range.
+    let mut tmp = vec![0f32; rows * n];
+    tmp.par_chunks_mut(block * n)
+        .enumerate()
+        .for_each(|(bi, o)| task(bi, o));
+    for (r, trow) in tmp.chunks(n).enumerate() {
+        for (t, &v) in trow.iter().enumerate() {
+            out[t * rows + r] = v;
+        }
+    }
+}
+
+/// Fused SwiGLU front half: `out[t, r] = silu(dot(G[r], x[t])) * dot(U[r], x[t])`, gate and up
+/// rows of the same index computed by the same task (one pass, no `[n, rows]` intermediates).
+pub fn gate_up_silu(
+    gate: &WeightMatrix<'_>,
+    up: &WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    act: Act,
+) {
+    assert_eq!(gate.rows(), up.rows(), "gate/up rows");
+    assert_eq!(gate.cols(), up.cols(), "gate/up cols");
+    let rows = gate.rows();
+    let mut g = vec![0f32; n * rows];
+    let mut u = vec![0f32; n * rows];
+    rayon::join(
+        || matmul(gate, x, n, &mut g, act),
+        || matmul(up, x, n, &mut u, act),
+    );
+    for ((o, &g), &u) in out.iter_mut().zip(&g).zip(&u) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}

@@ -1,0 +1,206 @@
+//! Portable reference kernels: decode a row to f32 exactly as the bit layouts say
+//! (testdata/fixtures/README.md), then take f32 dot products. The SIMD kernels are tested
+//! against these, and these against plain f32 math.
+
+use super::{Kind, BLOCK};
+
+/// FP8 e4m3fn (bias 7, subnormals, no infinities, 0x7f/0xff NaN).
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exp = ((b >> 3) & 0xf) as i32;
+    let man = (b & 0x7) as f32;
+    let mag = if exp == 0 {
+        man / 8.0 * 2f32.powi(-6)
+    } else if exp == 15 && b & 0x7 == 7 {
+        f32::NAN
+    } else {
+        (1.0 + man / 8.0) * 2f32.powi(exp - 7)
+    };
+    sign * mag
+}
+
+fn fp8_lut() -> &'static [f32; 256] {
+    static LUT: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    LUT.get_or_init(|| {
+        let mut t = [0f32; 256];
+        for (i, v) in t.iter_mut().enumerate() {
+            *v = fp8_e4m3_to_f32(i as u8);
+        }
+        t
+    })
+}
+
+/// E2M1 nibble -> value (bit 3 is the sign).
+pub const MXFP4_LUT: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// E2M1 nibble -> twice its value, as an integer (the integer kernels' codes).
+pub const MXFP4_X2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Decode one row (`row` = its bytes, `scales` = its f32 scales) into `out[..cols]`.
+pub fn decode_row(kind: Kind, row: &[u8], scales: &[f32], cols: usize, out: &mut [f32]) {
+    let out = &mut out[..cols];
+    match kind {
+        Kind::F32 => {
+            for (o, b) in out.iter_mut().zip(row.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Kind::Bf16 => {
+            for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }
+        Kind::F16 => {
+            for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
+        }
+        Kind::Fp8 { block } => {
+            let lut = fp8_lut();
+            for ((o, w), &s) in out.chunks_mut(block).zip(row.chunks(block)).zip(scales) {
+                for (o, &w) in o.iter_mut().zip(w) {
+                    *o = lut[w as usize] * s;
+                }
+            }
+        }
+        Kind::Int4 { group } => {
+            for (w, o) in row.chunks_exact(4).zip(out.chunks_mut(8)) {
+                let word = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+                for (k, o) in o.iter_mut().enumerate() {
+                    *o = (((word >> (4 * k)) & 0xf) as i32 - 8) as f32;
+                }
+            }
+            scale_groups(out, group, scales);
+        }
+        Kind::Mxfp4 { group } => {
+            for (&b, o) in row.iter().zip(out.chunks_mut(2)) {
+                o[0] = MXFP4_LUT[(b & 0xf) as usize];
+                if let Some(hi) = o.get_mut(1) {
+                    *hi = MXFP4_LUT[(b >> 4) as usize];
+                }
+            }
+            scale_groups(out, group, scales);
+        }
+        Kind::Q8 { group } => {
+            for (o, &b) in out.iter_mut().zip(row) {
+                *o = b as i8 as f32;
+            }
+            scale_groups(out, group, scales);
+        }
+    }
+}
+
+fn scale_groups(out: &mut [f32], group: usize, scales: &[f32]) {
+    for (chunk, &s) in out.chunks_mut(group).zip(scales) {
+        chunk.iter_mut().for_each(|v| *v *= s);
+    }
+}
+
+/// Dot product with 8 independent f32 accumulators.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 8];
+    let ca = a.chunks_exact(8);
+    let cb = b.chunks_exact(8);
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for j in 0..8 {
+            acc[j] += x[j] * y[j];
+        }
+    }
+    let mut tail = 0f32;
+    for (x, y) in ta.iter().zip(tb) {
+        tail += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `out[t] = dot(decode(row), x[t*cols..])` for `t < n`.
+pub fn row_f32(
+    kind: Kind,
+    row: &[u8],
+    scales: &[f32],
+    x: &[f32],
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    thread_local! {
+        static BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BUF.with(|b| {
+        let mut buf = b.borrow_mut();
+        buf.resize(cols, 0.0);
+        decode_row(kind, row, scales, cols, &mut buf);
+        for (t, o) in out[..n].iter_mut().enumerate() {
+            *o = dot(&buf, &x[t * cols..(t + 1) * cols]);
+        }
+    })
+}
+
+/// The integer codes of one 32-column block at column `c`, in the order
+/// [`super::quantize_inputs`] stores the inputs for `kind`, and the code-to-value factor that
+/// the block's f32 scale and the input scale leave out (none: MXFP4's halving is in the input
+/// scale).
+fn block_codes(kind: Kind, row: &[u8], c: usize) -> [i32; BLOCK] {
+    let mut w = [0i32; BLOCK];
+    match kind {
+        Kind::Int4 { .. } | Kind::Mxfp4 { .. } => {
+            let bytes = &row[c / 2..c / 2 + BLOCK / 2];
+            for (i, &b) in bytes.iter().enumerate() {
+                let (lo, hi) = ((b & 0xf) as usize, (b >> 4) as usize);
+                let (lo, hi) = match kind {
+                    Kind::Int4 { .. } => (lo as i32 - 8, hi as i32 - 8),
+                    _ => (MXFP4_X2[lo] as i32, MXFP4_X2[hi] as i32),
+                };
+                // Evens first, then odds.
+                w[i] = lo;
+                w[16 + i] = hi;
+            }
+        }
+        Kind::Q8 { .. } => {
+            for (o, &b) in w.iter_mut().zip(&row[c..c + BLOCK]) {
+                *o = b as i8 as i32;
+            }
+        }
+        _ => unreachable!("integer kernels only take INT4, MXFP4 and Q8"),
+    }
+    w
+}
+
+/// Integer reference: per 32-block `sum(code_w * q_x) * scale_w * d_x`, summed in f32.
+/// Needs `cols % 32 == 0` and `group % 32 == 0` (the driver only quantizes then).
+#[allow(clippy::too_many_arguments)]
+pub fn row_i8(
+    kind: Kind,
+    row: &[u8],
+    scales: &[f32],
+    q: &[i8],
+    d: &[f32],
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let group = kind.group(cols);
+    let blocks = cols / BLOCK;
+    out[..n].fill(0.0);
+    for b in 0..blocks {
+        let c = b * BLOCK;
+        let w = block_codes(kind, row, c);
+        let sw = scales[c / group];
+        for (t, o) in out[..n].iter_mut().enumerate() {
+            let xq = &q[t * cols + c..t * cols + c + BLOCK];
+            let s: i32 = w.iter().zip(xq).map(|(&w, &x)| w * x as i32).sum();
+            *o += s as f32 * sw * d[t * blocks + b];
+        }
+    }
+}

@@ -1,0 +1,365 @@
+//! AVX2 + FMA + F16C kernels (x86_64), selected at run time by [`super::Isa::detect`].
+//!
+//! Each format decodes 32 weights per step into registers: BF16 by a 16-bit shift, F16 and FP8
+//! through `vcvtph2ps` (e4m3 is rebuilt as an f16 bit pattern, exact including subnormals, worth
+//! 2^-8 of the value: the 2^8 goes into the block scale), INT4 and MXFP4 by splitting nibbles
+//! and mapping them with `vpshufb`, Q8 by sign extension. The f32 path multiplies in f32; the
+//! int8 path multiplies codes by quantized inputs with `vpmaddubsw` + `vpmaddwd` and scales each
+//! 32-block once. Up to two inputs share one decode (tiles of 2 with 4 accumulators each for
+//! the f32 path, tiles of 4 for the int8 path).
+//!
+//! Differences from [`super::scalar`]: summation order (tested within a budget), and FP8's NaN
+//! codes 0x7f/0xff decode as ±480 (real checkpoints never hold them).
+
+use std::arch::x86_64::*;
+
+use super::scalar::MXFP4_X2;
+use super::{Kind, BLOCK};
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// 16 nibble codes of a 32-value block (`b` = 16 bytes, element 2i low nibble of byte i) in
+/// element order, mapped through `lut`, as two vectors of 16 i8 (elements 0..16, 16..32).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn nibbles_in_order(b: __m128i, lut: __m128i) -> (__m128i, __m128i) {
+    let m = _mm_set1_epi8(0x0f);
+    let lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m));
+    let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn i8x16_to_f32(e: __m128i) -> (__m256, __m256) {
+    (
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(e, 8))),
+    )
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn int4_lut() -> __m128i {
+    _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn mxfp4_lut() -> __m128i {
+    let l = MXFP4_X2;
+    _mm_setr_epi8(
+        l[0], l[1], l[2], l[3], l[4], l[5], l[6], l[7], l[8], l[9], l[10], l[11], l[12], l[13],
+        l[14], l[15],
+    )
+}
+
+/// f32-activation tile: `out[t] = sum_c w[c] * x[t*cols + c]` for `t < N`.
+macro_rules! f32_tile {
+    ($name:ident, $scaled:expr, |$p:ident, $c:ident| $decode:expr) => {
+        /// # Safety
+        /// AVX2, FMA and F16C available; `cols` and `group` multiples of 32; `row` holds a whole
+        /// row of `cols` values, `scales` `cols.div_ceil(group)` values, `x` `N * cols`, `out` `N`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $name<const N: usize>(
+            row: &[u8],
+            scales: &[f32],
+            smul: f32,
+            group: usize,
+            x: &[f32],
+            cols: usize,
+            out: &mut [f32],
+        ) {
+            let $p = row.as_ptr();
+            let xp = x.as_ptr();
+            let mut acc = [[_mm256_setzero_ps(); 4]; N];
+            let mut c = 0usize;
+            for &s in &scales[..cols.div_ceil(group)] {
+                let sv = _mm256_set1_ps(s * smul);
+                let end = (c + group).min(cols);
+                while c < end {
+                    let $c = c;
+                    // SAFETY: `c + 32 <= cols` (group and cols are multiples of 32 and `end` is
+                    // at most `cols`), so the decode reads inside the row (its byte length
+                    // is the format's for `cols` values) and the input loads below read
+                    // `x[t*cols + c .. t*cols + c + 32]` with `t < N`, inside `x`.
+                    unsafe {
+                        let w: [__m256; 4] = $decode;
+                        let w = if $scaled {
+                            [
+                                _mm256_mul_ps(w[0], sv),
+                                _mm256_mul_ps(w[1], sv),
+                                _mm256_mul_ps(w[2], sv),
+                                _mm256_mul_ps(w[3], sv),
+                            ]
+                        } else {
+                            w
+                        };
+                        for (t, a) in acc.iter_mut().enumerate() {
+                            let xr = xp.add(t * cols + c);
+                            for (j, a) in a.iter_mut().enumerate() {
+                                *a = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr.add(8 * j)), *a);
+                            }
+                        }
+                    }
+                    c += BLOCK;
+                }
+            }
+            for (o, a) in out.iter_mut().zip(&acc) {
+                *o = hsum(_mm256_add_ps(
+                    _mm256_add_ps(a[0], a[1]),
+                    _mm256_add_ps(a[2], a[3]),
+                ));
+            }
+        }
+    };
+}
+
+f32_tile!(f32_f32, false, |p, c| {
+    let q = p.add(4 * c) as *const f32;
+    [
+        _mm256_loadu_ps(q),
+        _mm256_loadu_ps(q.add(8)),
+        _mm256_loadu_ps(q.add(16)),
+        _mm256_loadu_ps(q.add(24)),
+    ]
+});
+
+f32_tile!(f32_bf16, false, |p, c| {
+    let q = p.add(2 * c);
+    let cvt = |o: usize| {
+        _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(q.add(o) as *const __m128i)),
+            16,
+        ))
+    };
+    [cvt(0), cvt(16), cvt(32), cvt(48)]
+});
+
+f32_tile!(f32_f16, false, |p, c| {
+    let q = p.add(2 * c);
+    let cvt = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(q.add(o) as *const __m128i));
+    [cvt(0), cvt(16), cvt(32), cvt(48)]
+});
+
+f32_tile!(f32_fp8, true, |p, c| {
+    let q = p.add(c);
+    let half = |o: usize| {
+        let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(q.add(o) as *const __m128i));
+        let sign = _mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(-0x8000));
+        let mag = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(0x3f80));
+        let h = _mm256_or_si256(sign, mag);
+        (
+            _mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+            _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)),
+        )
+    };
+    let (a, b) = half(0);
+    let (c2, d) = half(16);
+    [a, b, c2, d]
+});
+
+f32_tile!(f32_int4, true, |p, c| {
+    let (e0, e1) = nibbles_in_order(_mm_loadu_si128(p.add(c / 2) as *const __m128i), int4_lut());
+    let (a, b) = i8x16_to_f32(e0);
+    let (c2, d) = i8x16_to_f32(e1);
+    [a, b, c2, d]
+});
+
+f32_tile!(f32_mxfp4, true, |p, c| {
+    let (e0, e1) = nibbles_in_order(_mm_loadu_si128(p.add(c / 2) as *const __m128i), mxfp4_lut());
+    let (a, b) = i8x16_to_f32(e0);
+    let (c2, d) = i8x16_to_f32(e1);
+    [a, b, c2, d]
+});
+
+f32_tile!(f32_q8, true, |p, c| {
+    let q = p.add(c);
+    let cvt = |o: usize| {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            q.add(o) as *const __m128i
+        )))
+    };
+    [cvt(0), cvt(8), cvt(16), cvt(24)]
+});
+
+/// f32-activation row kernel.
+///
+/// # Safety
+/// AVX2, FMA and F16C available; `kind.simd_shape(cols)`; `row.len() == kind.row_bytes(cols)`,
+/// `scales.len() >= cols.div_ceil(kind.group(cols))`, `x.len() >= n * cols`, `out.len() >= n`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn row_f32(
+    kind: Kind,
+    row: &[u8],
+    scales: &[f32],
+    x: &[f32],
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    debug_assert!(x.len() >= n * cols && out.len() >= n);
+    let group = kind.group(cols);
+    debug_assert!(scales.len() >= cols.div_ceil(group));
+    let mut t = 0;
+    while t < n {
+        let take = (n - t).min(2);
+        let xs = &x[t * cols..(t + take) * cols];
+        let o = &mut out[t..t + take];
+        macro_rules! go {
+            ($f:ident, $smul:expr) => {
+                // SAFETY: the caller's contract is the tile's contract; `xs` holds `take`
+                // inputs and `o` `take` outputs.
+                unsafe {
+                    if take == 2 {
+                        $f::<2>(row, scales, $smul, group, xs, cols, o)
+                    } else {
+                        $f::<1>(row, scales, $smul, group, xs, cols, o)
+                    }
+                }
+            };
+        }
+        match kind {
+            Kind::F32 => go!(f32_f32, 1.0),
+            Kind::Bf16 => go!(f32_bf16, 1.0),
+            Kind::F16 => go!(f32_f16, 1.0),
+            Kind::Fp8 { .. } => go!(f32_fp8, 256.0),
+            Kind::Int4 { .. } => go!(f32_int4, 1.0),
+            Kind::Mxfp4 { .. } => go!(f32_mxfp4, 0.5),
+            Kind::Q8 { .. } => go!(f32_q8, 1.0),
+        }
+        t += take;
+    }
+}
+
+/// int8-activation tile: per 32-block, `sum(code * q) * scale_w * d_x`.
+macro_rules! i8_tile {
+    ($name:ident, |$p:ident, $c:ident| $decode:expr) => {
+        /// # Safety
+        /// AVX2, FMA and F16C available; `cols` and `group` multiples of 32; `row` a whole row,
+        /// `scales` `cols.div_ceil(group)` values, `q` `N * cols` codes, `d` `N * cols / 32` scales,
+        /// `out` `N` values.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name<const N: usize>(
+            row: &[u8],
+            scales: &[f32],
+            group: usize,
+            q: &[i8],
+            d: &[f32],
+            cols: usize,
+            out: &mut [f32],
+        ) {
+            let $p = row.as_ptr();
+            let qp = q.as_ptr();
+            let blocks = cols / BLOCK;
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [[_mm256_setzero_ps(); 2]; N];
+            let mut b = 0usize;
+            for &sw in &scales[..cols.div_ceil(group)] {
+                let end = (b + group / BLOCK).min(blocks);
+                while b < end {
+                    let $c = b * BLOCK;
+                    // SAFETY: `b < blocks`, so the decode reads inside the row, the input loads
+                    // read `q[t*cols + 32b ..][..32]` and `d[t*blocks + b]` with `t < N`.
+                    unsafe {
+                        let w: __m256i = $decode;
+                        let aw = _mm256_abs_epi8(w);
+                        for (t, a) in acc.iter_mut().enumerate() {
+                            let xv = _mm256_loadu_si256(qp.add(t * cols + $c) as *const __m256i);
+                            let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
+                            let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                            let dv = _mm256_set1_ps(sw * *d.get_unchecked(t * blocks + b));
+                            a[b & 1] = _mm256_fmadd_ps(f, dv, a[b & 1]);
+                        }
+                    }
+                    b += 1;
+                }
+            }
+            for (o, a) in out.iter_mut().zip(&acc) {
+                *o = hsum(_mm256_add_ps(a[0], a[1]));
+            }
+        }
+    };
+}
+
+/// 32 nibble codes (16 bytes) mapped through `lut`: evens in the low lane, odds in the high.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn nibbles_split(b: __m128i, lut: __m256i) -> __m256i {
+    let v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+    _mm256_shuffle_epi8(lut, _mm256_and_si256(v, _mm256_set1_epi8(0x0f)))
+}
+
+i8_tile!(i8_int4, |p, c| nibbles_split(
+    _mm_loadu_si128(p.add(c / 2) as *const __m128i),
+    _mm256_broadcastsi128_si256(int4_lut())
+));
+
+i8_tile!(i8_mxfp4, |p, c| nibbles_split(
+    _mm_loadu_si128(p.add(c / 2) as *const __m128i),
+    _mm256_broadcastsi128_si256(mxfp4_lut())
+));
+
+i8_tile!(i8_q8, |p, c| _mm256_loadu_si256(p.add(c) as *const __m256i));
+
+/// int8-activation row kernel (INT4, MXFP4, Q8).
+///
+/// # Safety
+/// As [`row_f32`], with `q.len() >= n * cols` and `d.len() >= n * cols / 32` instead of `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn row_i8(
+    kind: Kind,
+    row: &[u8],
+    scales: &[f32],
+    q: &[i8],
+    d: &[f32],
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    debug_assert!(q.len() >= n * cols && d.len() * BLOCK >= n * cols && out.len() >= n);
+    let group = kind.group(cols);
+    let blocks = cols / BLOCK;
+    let mut t = 0;
+    while t < n {
+        let take = (n - t).min(4);
+        let qs = &q[t * cols..(t + take) * cols];
+        let ds = &d[t * blocks..(t + take) * blocks];
+        let o = &mut out[t..t + take];
+        macro_rules! go {
+            ($f:ident) => {
+                // SAFETY: the caller's contract is the tile's; `qs`, `ds`, `o` hold `take`
+                // inputs / outputs.
+                unsafe {
+                    match take {
+                        4 => $f::<4>(row, scales, group, qs, ds, cols, o),
+                        3 => $f::<3>(row, scales, group, qs, ds, cols, o),
+                        2 => $f::<2>(row, scales, group, qs, ds, cols, o),
+                        _ => $f::<1>(row, scales, group, qs, ds, cols, o),
+                    }
+                }
+            };
+        }
+        match kind {
+            Kind::Int4 { .. } => go!(i8_int4),
+            Kind::Mxfp4 { .. } => go!(i8_mxfp4),
+            Kind::Q8 { .. } => go!(i8_q8),
+            _ => unreachable!("int8 kernels take INT4, MXFP4 and Q8 only"),
+        }
+        t += take;
+    }
+}
