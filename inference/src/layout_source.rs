@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -272,7 +273,7 @@ struct FetchState {
 #[derive(Debug)]
 struct ExpertFetcher {
     engine: Engine,
-    cap: u64,
+    cap: AtomicU64,
     policy: CachePolicy,
     state: Mutex<FetchState>,
     tx: Sender<Completion>,
@@ -284,7 +285,7 @@ impl ExpertFetcher {
         let (tx, rx) = unbounded();
         ExpertFetcher {
             engine,
-            cap,
+            cap: AtomicU64::new(cap),
             policy,
             state: Mutex::new(FetchState {
                 slots: HashMap::new(),
@@ -301,6 +302,10 @@ impl ExpertFetcher {
 
     fn manifest(&self) -> &Manifest {
         self.engine.manifest()
+    }
+
+    fn cap(&self) -> u64 {
+        self.cap.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, FetchState> {
@@ -346,7 +351,7 @@ impl ExpertFetcher {
             {
                 return Ok(Some(st.spare.swap_remove(i)));
             }
-            if st.used + need <= self.cap {
+            if st.used + need <= self.cap() {
                 st.used += need;
                 st.stats.peak_bytes = st.stats.peak_bytes.max(st.used);
                 return Ok(None);
@@ -631,7 +636,7 @@ impl ExpertFetcher {
                             layer,
                             expert: experts[i],
                             need: align_up(self.engine.record(records[i]).len.max(1)),
-                            cap: self.cap,
+                            cap: self.cap(),
                         });
                     }
                     break;
@@ -776,6 +781,13 @@ impl LayoutSource {
         self.resident.by_name.keys().map(String::as_str)
     }
 
+    /// Change the cap on expert buffer bytes ([`LayoutSourceOptions::buffer_cap_bytes`]),
+    /// e.g. once a RAM budget can be split after loading. Lowering it evicts cached experts as
+    /// new reads need room.
+    pub fn set_expert_memory_cap(&self, bytes: u64) {
+        self.fetcher.cap.store(bytes, Ordering::Relaxed);
+    }
+
     pub fn stats(&self) -> LayoutStats {
         let f = self.fetcher.stats();
         LayoutStats {
@@ -789,7 +801,7 @@ impl LayoutSource {
             drives: self.fetcher.engine.stats(),
             fetch: f,
             expert_memory_bytes: self.fetcher.used(),
-            expert_memory_cap: self.fetcher.cap,
+            expert_memory_cap: self.fetcher.cap(),
         }
     }
 }

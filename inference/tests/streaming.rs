@@ -127,15 +127,27 @@ fn check_arch(arch: &str) {
                 (all / 4, CachePolicy::Lru, true),
                 (all + biggest, CachePolicy::Lfu, true),
             ] {
-                let what = format!("{arch} {mode} x{drives} cap {cap} {policy} prefetch {prefetch}");
+                let what =
+                    format!("{arch} {mode} x{drives} cap {cap} {policy} prefetch {prefetch}");
                 let r = run(&layout, cap, policy, prefetch);
-                assert_eq!(r.tokens, want, "{what}: tokens differ from in-memory generation");
+                assert_eq!(
+                    r.tokens, want,
+                    "{what}: tokens differ from in-memory generation"
+                );
                 let f = &r.stats.fetch;
-                assert!(f.peak_bytes <= cap, "{what}: expert memory {} over cap", f.peak_bytes);
+                assert!(
+                    f.peak_bytes <= cap,
+                    "{what}: expert memory {} over cap",
+                    f.peak_bytes
+                );
                 assert!(f.reads > 0 && f.requests > 0, "{what}");
                 if cap > all {
                     // Everything fits: each expert is read at most once.
-                    assert!(f.reads <= count as u64, "{what}: {} reads of {count} experts", f.reads);
+                    assert!(
+                        f.reads <= count as u64,
+                        "{what}: {} reads of {count} experts",
+                        f.reads
+                    );
                     assert_eq!(f.evictions, 0, "{what}");
                 }
                 if prefetch {
@@ -202,6 +214,9 @@ fn prefill_chunk_reads_each_expert_once_per_layer() {
         .map(|(_, r)| r.iter().map(|x| x.experts.len()).sum::<usize>())
         .sum();
     let f = src.stats().fetch;
-    assert_eq!(f.reads as usize, distinct, "one read per distinct (layer, expert)");
+    assert_eq!(
+        f.reads as usize, distinct,
+        "one read per distinct (layer, expert)"
+    );
     assert!(distinct < positions, "shared experts exist in this prompt");
 }

@@ -94,7 +94,11 @@ fn generate_json(model: &Path, prompt_ids: &str, extra: &[&str]) -> serde_json::
 }
 
 fn tokens(v: &serde_json::Value) -> Vec<u32> {
-    v["tokens"]
+    assert_eq!(
+        v["tokens"].as_u64(),
+        v["token_ids"].as_array().map(|a| a.len() as u64)
+    );
+    v["token_ids"]
         .as_array()
         .unwrap()
         .iter()
