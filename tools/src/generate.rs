@@ -390,6 +390,21 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
     })
 }
 
+impl Loaded {
+    /// Token ids of `text` when a tokenizer was found.
+    pub(crate) fn encode(&self, text: &str) -> anyhow::Result<Option<Vec<u32>>> {
+        match &self.tokenizer {
+            Some((_, t)) => Ok(Some(
+                t.encode(text, true)
+                    .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
+                    .get_ids()
+                    .to_vec(),
+            )),
+            None => Ok(None),
+        }
+    }
+}
+
 /// Facts about the source for the JSON report.
 fn source_json(l: &Loaded) -> serde_json::Value {
     let mut v = serde_json::Map::new();

@@ -1,6 +1,8 @@
 //! The `deltafin` command line.
 
+mod bench_generate;
 mod bench_io;
+mod demo;
 mod generate;
 mod layout_cmd;
 mod progress;
@@ -23,6 +25,9 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The main job end to end on a small synthetic model: synthesize, lay out over four
+    /// directories, verify, benchmark reads, generate under a small RAM budget.
+    Demo(demo::DemoArgs),
     /// Write a synthetic checkpoint in the Hugging Face format (config.json + safetensors).
     Synth(synth_cmd::SynthArgs),
     /// Lay a checkpoint out over 1-4 drives (replicated or striped), with blake3 hashes.
@@ -42,6 +47,8 @@ enum Command {
 enum BenchCommand {
     /// Read expert records as decoding does; compare with fio on the same files.
     Io(bench_io::BenchIoArgs),
+    /// Generation over a layout: standard prompts, 128 and 512 new tokens, repeats, medians.
+    Generate(bench_generate::BenchGenerateArgs),
 }
 
 fn main() {
@@ -51,6 +58,8 @@ fn main() {
         Command::Layout(a) => layout_cmd::run(a),
         Command::Verify(a) => verify_cmd::run(a),
         Command::Bench(BenchCommand::Io(a)) => bench_io::run(a),
+        Command::Bench(BenchCommand::Generate(a)) => bench_generate::run(a),
+        Command::Demo(a) => demo::run(a),
         Command::Generate(a) => generate::run_generate(a),
         Command::Logits(a) => generate::run_logits(a),
     };
