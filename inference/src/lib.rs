@@ -81,6 +81,8 @@ pub mod model;
 pub mod ops;
 pub mod rope;
 pub mod sampler;
+pub mod snapshot;
+pub mod speculative;
 pub mod weights;
 
 pub use config::{DeepseekV3Config, HiddenAct, ModelConfig, Qwen3MoeConfig, RopeParameters};

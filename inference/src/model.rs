@@ -130,6 +130,14 @@ impl Session {
     pub fn memory_bytes(&self) -> usize {
         self.states.iter().map(|s| s.memory_bytes()).sum()
     }
+    /// Per-layer mixer states (snapshots).
+    pub(crate) fn states(&self) -> &[Box<dyn MixerState>] {
+        &self.states
+    }
+    /// Per-layer mixer states and the length to set once they are restored (snapshots).
+    pub(crate) fn restore_parts(&mut self) -> (&mut [Box<dyn MixerState>], &mut usize) {
+        (&mut self.states, &mut self.len)
+    }
 }
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);

@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use super::{check_truncate, state_as, MixerState, TokenMixer};
+use super::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::error::Result;
 use crate::linear::{dot, Linear};
 use crate::ops::RmsNorm;
@@ -65,11 +65,29 @@ impl MixerState for KvCache {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
+    fn export_arrays(&self) -> Option<Vec<&[f32]>> {
+        Some(vec![&self.k, &self.v])
+    }
+    fn import_arrays(&mut self, len: usize, arrays: Vec<Vec<f32>>) -> Result<()> {
+        check_import(len, &arrays, 2)?;
+        let mut it = arrays.into_iter();
+        if let (Some(k), Some(v)) = (it.next(), it.next()) {
+            self.k = k;
+            self.v = v;
+        }
+        self.len = len;
+        Ok(())
+    }
 }
 
 impl TokenMixer for GqaAttention {
     fn new_state(&self) -> Box<dyn MixerState> {
         Box::new(KvCache::default())
+    }
+
+    fn state_widths(&self) -> Option<Vec<usize>> {
+        let w = self.num_kv_heads * self.head_dim;
+        Some(vec![w, w])
     }
 
     fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>> {

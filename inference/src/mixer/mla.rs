@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::{check_truncate, state_as, MixerState, TokenMixer};
+use super::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::error::Result;
 use crate::linear::{dot, Linear};
 use crate::ops::RmsNorm;
@@ -97,11 +97,28 @@ impl MixerState for MlaCache {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
+    fn export_arrays(&self) -> Option<Vec<&[f32]>> {
+        Some(vec![&self.latent, &self.k_rope])
+    }
+    fn import_arrays(&mut self, len: usize, arrays: Vec<Vec<f32>>) -> Result<()> {
+        check_import(len, &arrays, 2)?;
+        let mut it = arrays.into_iter();
+        if let (Some(l), Some(r)) = (it.next(), it.next()) {
+            self.latent = l;
+            self.k_rope = r;
+        }
+        self.len = len;
+        Ok(())
+    }
 }
 
 impl TokenMixer for MlaAttention {
     fn new_state(&self) -> Box<dyn MixerState> {
         Box::new(MlaCache::default())
+    }
+
+    fn state_widths(&self) -> Option<Vec<usize>> {
+        Some(vec![self.kv_lora_rank, self.qk_rope_head_dim])
     }
 
     fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>> {

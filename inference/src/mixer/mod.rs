@@ -31,6 +31,20 @@ pub trait MixerState: Send + std::fmt::Debug + Any {
     fn memory_bytes(&self) -> usize;
 
     fn as_any_mut(&mut self) -> &mut dyn Any;
+
+    /// Snapshot hook: the state's arrays in a fixed order, each `[len, width]` row-major with
+    /// the widths [`TokenMixer::state_widths`] gives. `None`: this state cannot be saved.
+    fn export_arrays(&self) -> Option<Vec<&[f32]>> {
+        None
+    }
+
+    /// Snapshot hook: replace the state by `len` positions given as arrays in
+    /// [`MixerState::export_arrays`] order (shapes checked by the caller).
+    fn import_arrays(&mut self, _len: usize, _arrays: Vec<Vec<f32>>) -> Result<()> {
+        Err(InferenceError::Unsupported(
+            "this mixer's state cannot be restored from a snapshot".into(),
+        ))
+    }
 }
 
 /// A sequence-mixing module.
@@ -42,6 +56,33 @@ pub trait TokenMixer: Send + Sync + std::fmt::Debug {
     /// positions `state.len() .. state.len() + n`; returns `[n, hidden]` and extends `state`.
     /// Position `i` attends causally to every earlier position and itself.
     fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>>;
+
+    /// Snapshot hook: floats per position of each array of this mixer's state, in
+    /// [`MixerState::export_arrays`] order. `None`: the state cannot be saved.
+    fn state_widths(&self) -> Option<Vec<usize>> {
+        None
+    }
+}
+
+/// Check `arrays` against `widths` for `len` positions (snapshot restore).
+pub(crate) fn check_import(len: usize, arrays: &[Vec<f32>], count: usize) -> Result<()> {
+    if arrays.len() != count {
+        return Err(InferenceError::StateMismatch(format!(
+            "snapshot state has {} arrays; expected {count}",
+            arrays.len()
+        )));
+    }
+    if len == 0 && arrays.iter().any(|a| !a.is_empty()) {
+        return Err(InferenceError::StateMismatch(
+            "snapshot state has data for 0 positions".into(),
+        ));
+    }
+    if arrays.iter().any(|a| len > 0 && a.len() % len != 0) {
+        return Err(InferenceError::StateMismatch(format!(
+            "snapshot state arrays are not a whole number of rows of {len} positions"
+        )));
+    }
+    Ok(())
 }
 
 /// Downcast a state to the concrete type its mixer expects.

@@ -1,0 +1,444 @@
+//! Crash-safe session snapshots: the per-layer mixer states (KV caches, MLA latents, ...) of a
+//! [`Session`] with the token history that produced them, so that a later run reuses the
+//! longest common prefix of its prompt instead of prefilling it again.
+//!
+//! # File format (little-endian)
+//!
+//! ```text
+//! magic      8 bytes  "DFSNAP\r\n"
+//! version    u32      SNAPSHOT_VERSION
+//! model      32 bytes model_hash(): blake3 of config, resident tensor samples and caller bytes
+//! tokens     u64 n, then n x u32          token history (= positions held by the states)
+//! layers     u32 L, then per layer:
+//!              u32 A (arrays), then per array: u64 count, count x f32
+//! checksum   32 bytes blake3 of every byte before it
+//! ```
+//!
+//! Saving writes `FILE.tmp-PID`, fsyncs it, renames it over `FILE` and fsyncs the directory, so
+//! a crash leaves either the old or the new snapshot. Loading refuses (with a
+//! [`SnapshotError`] naming the reason) a file of another format, a newer version, a truncated or
+//! corrupted file (checksum), or one written for another model; callers then start from scratch.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::InferenceError;
+use crate::model::{Model, Session};
+
+/// First bytes of every snapshot file.
+pub const SNAPSHOT_MAGIC: [u8; 8] = *b"DFSNAP\r\n";
+/// The format version this build writes (and the newest it reads).
+pub const SNAPSHOT_VERSION: u32 = 1;
+const CHECKSUM_LEN: usize = 32;
+const HEADER_LEN: usize = 8 + 4 + 32;
+
+/// Why a snapshot could not be written or was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("not a deltafin session snapshot (bad magic bytes)")]
+    BadMagic,
+    #[error("snapshot is truncated ({len} bytes; too short for {what})")]
+    Truncated { len: usize, what: &'static str },
+    #[error("snapshot format version {found} is newer than this build reads (version {supported})")]
+    NewerVersion { found: u32, supported: u32 },
+    #[error("snapshot checksum mismatch: the file is corrupted or truncated")]
+    Checksum,
+    #[error("snapshot was written for another model (model hash {found}, this model {expected})")]
+    OtherModel { found: String, expected: String },
+    #[error("snapshot is malformed: {0}")]
+    Malformed(String),
+    #[error("this model's state cannot be saved in a snapshot: {0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Inference(#[from] InferenceError),
+}
+
+pub type SnapshotResult<T> = std::result::Result<T, SnapshotError>;
+
+/// Identity of a model for snapshots: blake3 over the config, the dtype, shape and first and
+/// last 64 KiB of the embeddings, the LM head and the final norm (cheap even for huge models),
+/// and `extra` (e.g. the bytes of a layout's manifest, which hashes every record).
+pub fn model_hash(model: &Model, extra: &[u8]) -> [u8; 32] {
+    const SAMPLE: usize = 64 << 10;
+    let mut h = blake3::Hasher::new();
+    h.update(b"deltafin-model-hash-v1\0");
+    let cfg = serde_json::to_string(model.source().config()).unwrap_or_default();
+    h.update(&(cfg.len() as u64).to_le_bytes());
+    h.update(cfg.as_bytes());
+    for name in [
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+    ] {
+        h.update(name.as_bytes());
+        match model.source().tensor(name) {
+            Ok(t) => {
+                h.update(format!("{:?}{:?}", t.dtype, t.shape).as_bytes());
+                h.update(&(t.bytes.len() as u64).to_le_bytes());
+                let b = t.bytes;
+                h.update(&b[..b.len().min(SAMPLE)]);
+                h.update(&b[b.len().saturating_sub(SAMPLE)..]);
+            }
+            Err(_) => {
+                h.update(b"\0absent");
+            }
+        }
+    }
+    h.update(&(extra.len() as u64).to_le_bytes());
+    h.update(extra);
+    *h.finalize().as_bytes()
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().take(8).map(|x| format!("{x:02x}")).collect()
+}
+
+/// A writer that hashes everything it passes on.
+struct Hashing<W: Write> {
+    inner: W,
+    hasher: blake3::Hasher,
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Write a snapshot of `session` (whose positions were produced by `history`) to `w`.
+pub fn write_snapshot<W: Write>(
+    w: W,
+    model: &Model,
+    hash: &[u8; 32],
+    session: &Session,
+    history: &[u32],
+) -> SnapshotResult<W> {
+    if history.len() != session.len() {
+        return Err(SnapshotError::Unsupported(format!(
+            "the token history has {} tokens but the session holds {} positions",
+            history.len(),
+            session.len()
+        )));
+    }
+    let states = session.states();
+    if states.len() != model.layers().len() {
+        return Err(InferenceError::StateMismatch(
+            "the session was created by another model".into(),
+        )
+        .into());
+    }
+    let io = |e| SnapshotError::Io {
+        path: PathBuf::from("<snapshot>"),
+        op: "write",
+        source: e,
+    };
+    let mut hw = Hashing {
+        inner: w,
+        hasher: blake3::Hasher::new(),
+    };
+    let mut put = |b: &[u8]| hw.write_all(b);
+    (|| -> std::io::Result<()> {
+        put(&SNAPSHOT_MAGIC)?;
+        put(&SNAPSHOT_VERSION.to_le_bytes())?;
+        put(hash)?;
+        put(&(history.len() as u64).to_le_bytes())?;
+        for t in history {
+            put(&t.to_le_bytes())?;
+        }
+        put(&(states.len() as u32).to_le_bytes())?;
+        Ok(())
+    })()
+    .map_err(io)?;
+    for (i, s) in states.iter().enumerate() {
+        let arrays = s.export_arrays().ok_or_else(|| {
+            SnapshotError::Unsupported(format!("layer {i}'s mixer state has no snapshot hook"))
+        })?;
+        (|| -> std::io::Result<()> {
+            put(&(arrays.len() as u32).to_le_bytes())?;
+            for a in &arrays {
+                put(&(a.len() as u64).to_le_bytes())?;
+                let mut buf = Vec::with_capacity(a.len().min(1 << 16) * 4);
+                for chunk in a.chunks(1 << 16) {
+                    buf.clear();
+                    for x in chunk {
+                        buf.extend_from_slice(&x.to_le_bytes());
+                    }
+                    put(&buf)?;
+                }
+            }
+            Ok(())
+        })()
+        .map_err(io)?;
+    }
+    let sum = *hw.hasher.finalize().as_bytes();
+    hw.inner.write_all(&sum).map_err(io)?;
+    Ok(hw.inner)
+}
+
+/// A snapshot as bytes (see [`write_snapshot`]).
+pub fn encode(
+    model: &Model,
+    hash: &[u8; 32],
+    session: &Session,
+    history: &[u32],
+) -> SnapshotResult<Vec<u8>> {
+    write_snapshot(Vec::new(), model, hash, session, history)
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &str) -> SnapshotResult<&'a [u8]> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or_else(|| SnapshotError::Malformed(format!("{what} runs past the end")))?;
+        let s = &self.b[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u32(&mut self, what: &str) -> SnapshotResult<u32> {
+        let s = self.take(4, what)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+    fn u64(&mut self, what: &str) -> SnapshotResult<u64> {
+        let s = self.take(8, what)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(s);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn count(&mut self, what: &str, elem: usize) -> SnapshotResult<usize> {
+        let n = self.u64(what)?;
+        let left = (self.b.len() - self.pos) as u64;
+        if n.checked_mul(elem as u64).is_none_or(|bytes| bytes > left) {
+            return Err(SnapshotError::Malformed(format!(
+                "{what} {n} does not fit in the file"
+            )));
+        }
+        Ok(n as usize)
+    }
+}
+
+/// Check a snapshot's framing (length, magic, version, checksum) and model hash, then rebuild
+/// the session. Returns the session and its token history.
+pub fn decode(
+    bytes: &[u8],
+    model: &Model,
+    hash: &[u8; 32],
+) -> SnapshotResult<(Session, Vec<u32>)> {
+    if bytes.len() < SNAPSHOT_MAGIC.len() {
+        return Err(SnapshotError::Truncated {
+            len: bytes.len(),
+            what: "the magic bytes",
+        });
+    }
+    if bytes[..8] != SNAPSHOT_MAGIC {
+        return Err(SnapshotError::BadMagic);
+    }
+    if bytes.len() < HEADER_LEN + CHECKSUM_LEN {
+        return Err(SnapshotError::Truncated {
+            len: bytes.len(),
+            what: "the header and checksum",
+        });
+    }
+    let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    let (body, sum) = bytes.split_at(bytes.len() - CHECKSUM_LEN);
+    if blake3::hash(body).as_bytes() != sum {
+        // A newer version may use another checksum; say so rather than "corrupted".
+        if version > SNAPSHOT_VERSION {
+            return Err(SnapshotError::NewerVersion {
+                found: version,
+                supported: SNAPSHOT_VERSION,
+            });
+        }
+        return Err(SnapshotError::Checksum);
+    }
+    if version > SNAPSHOT_VERSION {
+        return Err(SnapshotError::NewerVersion {
+            found: version,
+            supported: SNAPSHOT_VERSION,
+        });
+    }
+    if version == 0 {
+        return Err(SnapshotError::Malformed("format version 0".into()));
+    }
+    if &body[12..HEADER_LEN] != hash {
+        return Err(SnapshotError::OtherModel {
+            found: hex(&body[12..HEADER_LEN]),
+            expected: hex(hash),
+        });
+    }
+    let mut r = Reader {
+        b: body,
+        pos: HEADER_LEN,
+    };
+    let n = r.count("token count", 4)?;
+    let history: Vec<u32> = r
+        .take(n * 4, "tokens")?
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let vocab = model.vocab_size();
+    if let Some(t) = history.iter().find(|&&t| t as usize >= vocab) {
+        return Err(SnapshotError::Malformed(format!(
+            "token {t} is outside the vocabulary ({vocab})"
+        )));
+    }
+    let layers = r.u32("layer count")? as usize;
+    if layers != model.layers().len() {
+        return Err(SnapshotError::Malformed(format!(
+            "{layers} layers; the model has {}",
+            model.layers().len()
+        )));
+    }
+    let mut session = model.new_session();
+    {
+        let (states, len) = session.restore_parts();
+        for (i, (state, layer)) in states.iter_mut().zip(model.layers()).enumerate() {
+            let widths = layer.mixer.state_widths().ok_or_else(|| {
+                SnapshotError::Unsupported(format!("layer {i}'s mixer has no snapshot hook"))
+            })?;
+            let count = r.u32("array count")? as usize;
+            if count != widths.len() {
+                return Err(SnapshotError::Malformed(format!(
+                    "layer {i}: {count} state arrays; expected {}",
+                    widths.len()
+                )));
+            }
+            let mut arrays = Vec::with_capacity(count);
+            for (a, &w) in widths.iter().enumerate() {
+                let c = r.count("array length", 4)?;
+                if n.checked_mul(w) != Some(c) {
+                    return Err(SnapshotError::Malformed(format!(
+                        "layer {i} array {a}: {c} values; expected {n} positions x {w}"
+                    )));
+                }
+                let data: Vec<f32> = r
+                    .take(c * 4, "state array")?
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                arrays.push(data);
+            }
+            state.import_arrays(n, arrays)?;
+        }
+        *len = n;
+    }
+    if r.pos != body.len() {
+        return Err(SnapshotError::Malformed(format!(
+            "{} trailing bytes",
+            body.len() - r.pos
+        )));
+    }
+    Ok((session, history))
+}
+
+/// Write a snapshot to `path` atomically: temp file in the same directory, fsync, rename,
+/// fsync of the directory.
+pub fn save(
+    path: &Path,
+    model: &Model,
+    hash: &[u8; 32],
+    session: &Session,
+    history: &[u32],
+) -> SnapshotResult<()> {
+    let io = |op: &'static str, p: &Path| {
+        let p = p.to_path_buf();
+        move |source| SnapshotError::Io {
+            path: p,
+            op,
+            source,
+        }
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| SnapshotError::Io {
+            path: path.to_path_buf(),
+            op: "name",
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "no file name"),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| -> SnapshotResult<()> {
+        let f = File::create(&tmp).map_err(io("create", &tmp))?;
+        let w = write_snapshot(
+            BufWriter::with_capacity(1 << 20, f),
+            model,
+            hash,
+            session,
+            history,
+        )
+        .map_err(|e| match e {
+            SnapshotError::Io { op, source, .. } => SnapshotError::Io {
+                path: tmp.clone(),
+                op,
+                source,
+            },
+            e => e,
+        })?;
+        let f = w.into_inner().map_err(|e| io("write", &tmp)(e.into_error()))?;
+        f.sync_all().map_err(io("fsync", &tmp))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(io("rename", path))?;
+        if let Ok(d) = File::open(&dir) {
+            d.sync_all().map_err(io("fsync", &dir))?;
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Read and check a snapshot file (see [`decode`]).
+pub fn load(path: &Path, model: &Model, hash: &[u8; 32]) -> SnapshotResult<(Session, Vec<u32>)> {
+    let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
+        path: path.to_path_buf(),
+        op: "read",
+        source,
+    })?;
+    decode(&bytes, model, hash)
+}
+
+/// Keep the longest prefix of `history` (the positions `session` holds) that `prompt` starts
+/// with, leaving at least one prompt token to feed (its logits give the first new token).
+/// Truncates `session` (no copy) and returns how many prompt tokens it already holds.
+pub fn reuse_prefix(
+    session: &mut Session,
+    history: &[u32],
+    prompt: &[u32],
+) -> crate::error::Result<usize> {
+    let common = history
+        .iter()
+        .zip(prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    let keep = common
+        .min(prompt.len().saturating_sub(1))
+        .min(session.len());
+    session.truncate(keep)?;
+    Ok(keep)
+}
