@@ -41,6 +41,9 @@ drives_setup() {
     local n=$1 size_gb=$2 bps=$3
     [ "$(id -u)" = 0 ] || { echo "emulated drives need root" >&2; return 1; }
     [ -d "$(dirname "$BENCH_CGROUP")" ] || { echo "no cgroup v1 blkio controller at $(dirname "$BENCH_CGROUP")" >&2; return 1; }
+    # One emulated-drive benchmark at a time on this machine: a second run waits here.
+    exec 9>/var/tmp/deltafin-bench.lock
+    flock 9
     trap 'drives_teardown' EXIT
     trap 'drives_teardown; exit 130' INT TERM
     drives_teardown
