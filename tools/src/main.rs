@@ -64,7 +64,16 @@ fn main() {
         Command::Logits(a) => generate::run_logits(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        // Library errors already spell out their causes; print each link of the chain once.
+        let mut msg = e.to_string();
+        for cause in e.chain().skip(1) {
+            let c = cause.to_string();
+            if !msg.contains(&c) {
+                msg.push_str(": ");
+                msg.push_str(&c);
+            }
+        }
+        eprintln!("error: {msg}");
         std::process::exit(1);
     }
 }
