@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use crate::linear::{WeightFormat, WeightMatrix};
+use crate::linear::{ScaleType, WeightFormat, WeightMatrix};
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
@@ -204,11 +204,61 @@ pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
     Inputs::I8 { q, d }
 }
 
+/// Scale bytes `bytes` (of type `st`) appended to `out` as f32, in loops the compiler
+/// vectorizes (F16 through F16C when available): this runs once per task, not per weight, but
+/// a per-element `match` here costed as much as the INT4 kernel itself.
+fn scales_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>) {
+    match st {
+        ScaleType::None => {}
+        ScaleType::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
+        ScaleType::Bf16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
+        ),
+        ScaleType::E8m0 => out.extend(bytes.iter().map(|&e| {
+            let bits = match e {
+                0 => 0x0040_0000,
+                255 => 0x7fc0_0000,
+                e => (e as u32) << 23,
+            };
+            f32::from_bits(bits)
+        })),
+        ScaleType::F16 => {
+            #[cfg(target_arch = "x86_64")]
+            if isa == Isa::Avx2 {
+                let start = out.len();
+                out.resize(start + bytes.len() / 2, 0.0);
+                // SAFETY: Avx2 implies F16C was detected; `out[start..]` holds exactly
+                // `bytes.len() / 2` values.
+                unsafe { x86::f16_to_f32(bytes, &mut out[start..]) };
+                return;
+            }
+            let _ = isa;
+            out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
+            )
+        }
+    }
+}
+
 /// Scales of rows `r0..r1` as f32, `[r1-r0, groups]` (FP8: the scale row of each row's block).
-fn row_scales(m: &WeightMatrix<'_>, r0: usize, r1: usize, out: &mut Vec<f32>) {
+fn row_scales(isa: Isa, m: &WeightMatrix<'_>, r0: usize, r1: usize, out: &mut Vec<f32>) {
     let (scale, st) = (m.scale_bytes(), m.scale_type());
     out.clear();
     let cols = m.cols();
+    let sz = match st {
+        ScaleType::None => 0,
+        ScaleType::E8m0 => 1,
+        ScaleType::F16 | ScaleType::Bf16 => 2,
+        ScaleType::F32 => 4,
+    };
     match m.format() {
         WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 => {
             out.resize(r1 - r0, 1.0);
@@ -220,14 +270,14 @@ fn row_scales(m: &WeightMatrix<'_>, r0: usize, r1: usize, out: &mut Vec<f32>) {
             let sc = cols.div_ceil(block_cols);
             for r in r0..r1 {
                 let base = (r / block_rows) * sc;
-                out.extend((0..sc).map(|i| st.get(scale, base + i)));
+                scales_to_f32(isa, st, &scale[base * sz..(base + sc) * sz], out);
             }
         }
         WeightFormat::Int4Group { group }
         | WeightFormat::Mxfp4 { group }
         | WeightFormat::Q8 { group } => {
             let g = cols.div_ceil(group);
-            out.extend((r0 * g..r1 * g).map(|i| st.get(scale, i)));
+            scales_to_f32(isa, st, &scale[r0 * g * sz..r1 * g * sz], out);
         }
     }
 }
@@ -307,7 +357,15 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
         let r0 = bi * block;
         let nr = o.len() / n;
         let mut scales = Vec::new();
-        row_scales(m, r0, r0 + nr, &mut scales);
+        row_scales(isa, m, r0, r0 + nr, &mut scales);
+        let group = kind.group(cols);
+        if matches!(xin, Inputs::I8 { .. }) && group != BLOCK {
+            // The int8 kernels take one scale per 32-block.
+            scales = scales
+                .chunks(cols.div_ceil(group))
+                .flat_map(|g| (0..cols / BLOCK).map(move |b| g[b * BLOCK / group]))
+                .collect();
+        }
         let per_row = scales.len() / nr;
         for (i, orow) in o.chunks_mut(n).enumerate() {
             let r = r0 + i;

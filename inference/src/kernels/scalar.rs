@@ -178,7 +178,8 @@ fn block_codes(kind: Kind, row: &[u8], c: usize) -> [i32; BLOCK] {
 }
 
 /// Integer reference: per 32-block `sum(code_w * q_x) * scale_w * d_x`, summed in f32.
-/// Needs `cols % 32 == 0` and `group % 32 == 0` (the driver only quantizes then).
+/// `scales` holds one value per 32-block (the driver expands larger groups); needs
+/// `cols % 32 == 0` (the driver only quantizes then).
 #[allow(clippy::too_many_arguments)]
 pub fn row_i8(
     kind: Kind,
@@ -190,13 +191,12 @@ pub fn row_i8(
     n: usize,
     out: &mut [f32],
 ) {
-    let group = kind.group(cols);
     let blocks = cols / BLOCK;
     out[..n].fill(0.0);
     for b in 0..blocks {
         let c = b * BLOCK;
         let w = block_codes(kind, row, c);
-        let sw = scales[c / group];
+        let sw = scales[b];
         for (t, o) in out[..n].iter_mut().enumerate() {
             let xq = &q[t * cols + c..t * cols + c + BLOCK];
             let s: i32 = w.iter().zip(xq).map(|(&w, &x)| w * x as i32).sum();

@@ -247,15 +247,13 @@ pub unsafe fn row_f32(
 macro_rules! i8_tile {
     ($name:ident, |$p:ident, $c:ident| $decode:expr) => {
         /// # Safety
-        /// AVX2, FMA and F16C available; `cols` and `group` multiples of 32; `row` a whole row,
-        /// `scales` `cols.div_ceil(group)` values, `q` `N * cols` codes, `d` `N * cols / 32` scales,
+        /// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row, `scales`
+        /// one per 32-block (`cols / 32`), `q` `N * cols` codes, `d` `N * cols / 32` scales,
         /// `out` `N` values.
         #[target_feature(enable = "avx2,fma,f16c")]
-        #[allow(clippy::too_many_arguments)]
         unsafe fn $name<const N: usize>(
             row: &[u8],
             scales: &[f32],
-            group: usize,
             q: &[i8],
             d: &[f32],
             cols: usize,
@@ -264,31 +262,41 @@ macro_rules! i8_tile {
             let $p = row.as_ptr();
             let qp = q.as_ptr();
             let blocks = cols / BLOCK;
+            let scales = &scales[..blocks];
             let ones = _mm256_set1_epi16(1);
-            let mut acc = [[_mm256_setzero_ps(); 2]; N];
-            let mut b = 0usize;
-            for &sw in &scales[..cols.div_ceil(group)] {
-                let end = (b + group / BLOCK).min(blocks);
-                while b < end {
+            let mut acc0 = [_mm256_setzero_ps(); N];
+            let mut acc1 = [_mm256_setzero_ps(); N];
+            macro_rules! step {
+                ($b:expr, $acc:ident) => {{
+                    let b = $b;
                     let $c = b * BLOCK;
-                    // SAFETY: `b < blocks`, so the decode reads inside the row, the input loads
-                    // read `q[t*cols + 32b ..][..32]` and `d[t*blocks + b]` with `t < N`.
+                    let sw = scales[b];
+                    // SAFETY: `b < blocks`, so the decode reads inside the row and the input
+                    // loads read `q[t*cols + 32b ..][..32]` and `d[t*blocks + b]`, `t < N`.
                     unsafe {
                         let w: __m256i = $decode;
                         let aw = _mm256_abs_epi8(w);
-                        for (t, a) in acc.iter_mut().enumerate() {
+                        for (t, a) in $acc.iter_mut().enumerate() {
                             let xv = _mm256_loadu_si256(qp.add(t * cols + $c) as *const __m256i);
                             let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
                             let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
                             let dv = _mm256_set1_ps(sw * *d.get_unchecked(t * blocks + b));
-                            a[b & 1] = _mm256_fmadd_ps(f, dv, a[b & 1]);
+                            *a = _mm256_fmadd_ps(f, dv, *a);
                         }
                     }
-                    b += 1;
-                }
+                }};
             }
-            for (o, a) in out.iter_mut().zip(&acc) {
-                *o = hsum(_mm256_add_ps(a[0], a[1]));
+            let mut b = 0usize;
+            while b + 2 <= blocks {
+                step!(b, acc0);
+                step!(b + 1, acc1);
+                b += 2;
+            }
+            if b < blocks {
+                step!(b, acc0);
+            }
+            for ((o, a0), a1) in out.iter_mut().zip(&acc0).zip(&acc1) {
+                *o = hsum(_mm256_add_ps(*a0, *a1));
             }
         }
     };
@@ -314,10 +322,11 @@ i8_tile!(i8_mxfp4, |p, c| nibbles_split(
 
 i8_tile!(i8_q8, |p, c| _mm256_loadu_si256(p.add(c) as *const __m256i));
 
-/// int8-activation row kernel (INT4, MXFP4, Q8).
+/// int8-activation row kernel (INT4, MXFP4, Q8); `scales` has one value per 32-block.
 ///
 /// # Safety
-/// As [`row_f32`], with `q.len() >= n * cols` and `d.len() >= n * cols / 32` instead of `x`.
+/// As [`row_f32`], with `scales.len() >= cols / 32`, `q.len() >= n * cols` and
+/// `d.len() >= n * cols / 32` instead of `x`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn row_i8(
@@ -332,8 +341,8 @@ pub unsafe fn row_i8(
 ) {
     debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
     debug_assert!(q.len() >= n * cols && d.len() * BLOCK >= n * cols && out.len() >= n);
-    let group = kind.group(cols);
     let blocks = cols / BLOCK;
+    debug_assert!(scales.len() >= blocks);
     let mut t = 0;
     while t < n {
         let take = (n - t).min(4);
@@ -346,10 +355,10 @@ pub unsafe fn row_i8(
                 // inputs / outputs.
                 unsafe {
                     match take {
-                        4 => $f::<4>(row, scales, group, qs, ds, cols, o),
-                        3 => $f::<3>(row, scales, group, qs, ds, cols, o),
-                        2 => $f::<2>(row, scales, group, qs, ds, cols, o),
-                        _ => $f::<1>(row, scales, group, qs, ds, cols, o),
+                        4 => $f::<4>(row, scales, qs, ds, cols, o),
+                        3 => $f::<3>(row, scales, qs, ds, cols, o),
+                        2 => $f::<2>(row, scales, qs, ds, cols, o),
+                        _ => $f::<1>(row, scales, qs, ds, cols, o),
                     }
                 }
             };
@@ -361,5 +370,31 @@ pub unsafe fn row_i8(
             _ => unreachable!("int8 kernels take INT4, MXFP4 and Q8 only"),
         }
         t += take;
+    }
+}
+
+/// `out[i] = f16(bytes[2i..2i+2])` for every `out`.
+///
+/// # Safety
+/// F16C available; `bytes.len() >= 2 * out.len()`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn f16_to_f32(bytes: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    let body = n / 8 * 8;
+    let mut i = 0;
+    while i < body {
+        // SAFETY: `i + 8 <= n`, so 16 bytes from `2i` are inside `bytes` and 8 floats from `i`
+        // inside `out`.
+        unsafe {
+            let h = _mm_loadu_si128(bytes.as_ptr().add(2 * i) as *const __m128i);
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        }
+        i += 8;
+    }
+    for (o, b) in out[body..]
+        .iter_mut()
+        .zip(bytes[2 * body..].chunks_exact(2))
+    {
+        *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
     }
 }

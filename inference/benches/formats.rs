@@ -1,0 +1,230 @@
+//! Weight-format kernels against the machine's memory bandwidth, in one criterion run:
+//! `cargo bench -p deltafin-inference --bench formats` (filter e.g. `-- mxfp4`).
+//!
+//! - `membw/read`: a streaming read (8 u64 accumulators) of a 1 GiB buffer, single-threaded and
+//!   with all threads (rayon, one chunk per thread): the memory-read bandwidth to compare with.
+//! - `matvec/<format>/<rows>x<cols>/<act>/<threads>`: one matvec per iteration over a ring of
+//!   matrices (experts) totalling >= 384 MiB of weights, so every iteration streams its weights
+//!   from DRAM, not from the 32 MiB L3. Throughput = weight + scale bytes consumed per second.
+//! - `matmul8/...`: the same with 8 inputs per pass (prefill / speculative verification).
+//!
+//! `DELTAFIN_BENCH_FORMATS=int4,mxfp4` benches only those formats; `DELTAFIN_BENCH_QUICK=1` shrinks the rings and sample counts (smoke run).
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use deltafin_inference::kernels::{self, quant, Act, Isa};
+use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
+use rayon::prelude::*;
+
+fn quick() -> bool {
+    std::env::var("DELTAFIN_BENCH_QUICK").is_ok()
+}
+
+/// A packed matrix's bytes (one expert); the ring repeats `copies` distinct buffers.
+struct Packed {
+    name: &'static str,
+    format: WeightFormat,
+    scale_type: ScaleType,
+    data: Vec<u8>,
+    scale: Vec<u8>,
+}
+
+fn pseudo(i: usize) -> f32 {
+    // Deterministic, roughly normal-looking weights.
+    let h = (i as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(17)
+        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05
+}
+
+fn make(name: &'static str, rows: usize, cols: usize) -> Packed {
+    let w: Vec<f32> = (0..rows * cols).map(pseudo).collect();
+    match name {
+        "bf16" => Packed {
+            name,
+            format: WeightFormat::Bf16,
+            scale_type: ScaleType::None,
+            data: w
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect(),
+            scale: Vec::new(),
+        },
+        "fp8" => {
+            let (br, bc) = (128, 128);
+            let scales = rows.div_ceil(br) * cols.div_ceil(bc);
+            Packed {
+                name,
+                format: WeightFormat::Fp8Block {
+                    block_rows: br,
+                    block_cols: bc,
+                },
+                scale_type: ScaleType::F32,
+                // Any e4m3 code but the NaNs.
+                data: (0..rows * cols)
+                    .map(|i| (pseudo(i).to_bits() as u8) & 0xf7)
+                    .collect(),
+                scale: (0..scales).flat_map(|_| 1e-3f32.to_le_bytes()).collect(),
+            }
+        }
+        "int4" => {
+            let q = quant::quantize_int4(&w, rows, cols, 32);
+            Packed {
+                name,
+                format: WeightFormat::Int4Group { group: 32 },
+                scale_type: ScaleType::Bf16,
+                data: q.data,
+                scale: q.scale,
+            }
+        }
+        "mxfp4" => {
+            let q = quant::quantize_mxfp4(&w, rows, cols, 32);
+            Packed {
+                name,
+                format: WeightFormat::Mxfp4 { group: 32 },
+                scale_type: ScaleType::E8m0,
+                data: q.data,
+                scale: q.scale,
+            }
+        }
+        "q8" => {
+            let q = quant::quantize_q8(&w, rows, cols, 32);
+            Packed {
+                name,
+                format: WeightFormat::Q8 { group: 32 },
+                scale_type: ScaleType::F16,
+                data: q.data,
+                scale: q.scale,
+            }
+        }
+        _ => unreachable!("unknown format {name}"),
+    }
+}
+
+fn pool(threads: usize) -> rayon::ThreadPool {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("rayon pool")
+}
+
+fn threads_all() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+#[inline(never)]
+fn stream_read(buf: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    for c in buf.chunks_exact(8) {
+        for j in 0..8 {
+            acc[j] = acc[j].wrapping_add(c[j]);
+        }
+    }
+    acc.iter().fold(0, |a, &b| a ^ b)
+}
+
+fn membw(c: &mut Criterion) {
+    let bytes: usize = if quick() { 256 << 20 } else { 1 << 30 };
+    let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    let mut g = c.benchmark_group("membw");
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.sample_size(10);
+    g.warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(if quick() { 2 } else { 5 }));
+    for threads in [1, threads_all()] {
+        let p = pool(threads);
+        g.bench_function(BenchmarkId::new("read", format!("{threads}t")), |b| {
+            b.iter(|| {
+                p.install(|| {
+                    let per = buf.len().div_ceil(threads);
+                    buf.par_chunks(per)
+                        .map(stream_read)
+                        .reduce(|| 0, |a, b| a ^ b)
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+fn formats(c: &mut Criterion) {
+    let shapes: &[(usize, usize)] = &[(2048, 7168), (7168, 2048)];
+    let ring_bytes: usize = if quick() { 64 << 20 } else { 384 << 20 };
+    let isa = Isa::detect();
+    eprintln!("kernels: {isa:?}, {} threads", threads_all());
+    for &(rows, cols) in shapes {
+        for name in ["bf16", "fp8", "q8", "int4", "mxfp4"] {
+            // DELTAFIN_BENCH_FORMATS=int4,mxfp4 skips building the other rings.
+            if std::env::var("DELTAFIN_BENCH_FORMATS")
+                .is_ok_and(|f| !f.split(',').any(|f| f == name))
+            {
+                continue;
+            }
+            let one = make(name, rows, cols);
+            let bytes = one.data.len() + one.scale.len();
+            let copies = ring_bytes.div_ceil(bytes).max(2);
+            // Distinct buffers (same contents) so that the ring really is `copies * bytes`.
+            let ring: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
+                .map(|_| (one.data.clone(), one.scale.clone()))
+                .collect();
+            let mats: Vec<WeightMatrix<'_>> = ring
+                .iter()
+                .map(|(d, s)| {
+                    WeightMatrix::new(rows, cols, one.format, d, s, one.scale_type)
+                        .expect("bench matrix")
+                })
+                .collect();
+            let x: Vec<f32> = (0..cols * 8).map(|i| pseudo(i + 7) * 20.0).collect();
+            let mut out = vec![0f32; rows * 8];
+            let acts: &[Act] = if matches!(name, "q8" | "int4" | "mxfp4") {
+                &[Act::F32, Act::I8]
+            } else {
+                &[Act::F32]
+            };
+            for (n, label) in [(1usize, "matvec"), (8, "matmul8")] {
+                let mut g = c.benchmark_group(format!("{label}/{}", one.name));
+                g.throughput(Throughput::Bytes(bytes as u64));
+                g.sample_size(if quick() { 10 } else { 20 });
+                g.warm_up_time(Duration::from_millis(500));
+                g.measurement_time(Duration::from_secs(if quick() { 1 } else { 3 }));
+                for &act in acts {
+                    if n > 1 && act == Act::I8 && name != "mxfp4" {
+                        continue;
+                    }
+                    for threads in [1, threads_all()] {
+                        let p = pool(threads);
+                        let id = BenchmarkId::new(
+                            format!("{rows}x{cols}/{act:?}"),
+                            format!("{threads}t"),
+                        );
+                        let mut k = 0usize;
+                        g.bench_function(id, |b| {
+                            b.iter(|| {
+                                let m = &mats[k % mats.len()];
+                                k += 1;
+                                p.install(|| {
+                                    kernels::matmul_with(
+                                        isa,
+                                        m,
+                                        &x[..n * cols],
+                                        n,
+                                        &mut out[..n * rows],
+                                        act,
+                                    )
+                                });
+                                black_box(out[0])
+                            })
+                        });
+                    }
+                }
+                g.finish();
+            }
+        }
+    }
+}
+
+criterion_group!(benches, membw, formats);
+criterion_main!(benches);

@@ -1,0 +1,368 @@
+//! Kernels: every SIMD path against the scalar reference, and the reference against f64 math on
+//! the dequantized weights, per format, with the error budgets stated below.
+//!
+//! Budgets (S = sum_c |w_c x_c|, the scale of rounding error in a dot product of length C):
+//! - f32 activations, reference vs f64 math: |err| <= 1e-5 * S + 1e-30 (f32 accumulation; the
+//!   weights are decoded exactly, so all formats share it).
+//! - f32 activations, SIMD vs reference: |err| <= 1e-5 * S + 1e-30 (summation order only).
+//! - int8 activations (INT4/MXFP4/Q8), reference vs f64 math with the *unquantized* inputs:
+//!   |err| <= sum_blocks (sum_{c in block} |w_c|) * amax_block(x) / 254 * 1.0001 + 1e-5 * S
+//!   (each input moves by at most half a step, amax/254, when rounded to int8).
+//! - int8 activations, SIMD vs reference: |err| <= 1e-5 * S (identical integer sums, f32
+//!   order).
+
+use deltafin_inference::kernels::{self, quant, Act, Isa};
+use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
+
+struct Mat {
+    rows: usize,
+    cols: usize,
+    format: WeightFormat,
+    st: ScaleType,
+    data: Vec<u8>,
+    scale: Vec<u8>,
+}
+
+impl Mat {
+    fn view(&self) -> WeightMatrix<'_> {
+        WeightMatrix::new(
+            self.rows,
+            self.cols,
+            self.format,
+            &self.data,
+            &self.scale,
+            self.st,
+        )
+        .expect("test matrix")
+    }
+}
+
+fn rng(seed: u64) -> impl FnMut() -> f32 {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+fn make(name: &str, rows: usize, cols: usize, seed: u64) -> Mat {
+    let mut r = rng(seed);
+    let w: Vec<f32> = (0..rows * cols).map(|_| r() * 0.1).collect();
+    let (format, st, data, scale) = match name {
+        "f32" => (
+            WeightFormat::F32,
+            ScaleType::None,
+            w.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            vec![],
+        ),
+        "f16" => (
+            WeightFormat::F16,
+            ScaleType::None,
+            w.iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+                .collect(),
+            vec![],
+        ),
+        "bf16" => (
+            WeightFormat::Bf16,
+            ScaleType::None,
+            w.iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                .collect(),
+            vec![],
+        ),
+        "fp8" => {
+            let (br, bc) = (128, 128);
+            let n = rows.div_ceil(br) * cols.div_ceil(bc);
+            // Every code except the NaNs 0x7f / 0xff (subnormals included).
+            let data = (0..rows * cols)
+                .map(|_| {
+                    let b = ((r() + 1.0) * 128.0) as u8;
+                    if b & 0x7f == 0x7f {
+                        0x7e
+                    } else {
+                        b
+                    }
+                })
+                .collect();
+            let scale = (0..n)
+                .flat_map(|_| (0.001 + 0.01 * r().abs()).to_le_bytes())
+                .collect();
+            (
+                WeightFormat::Fp8Block {
+                    block_rows: br,
+                    block_cols: bc,
+                },
+                ScaleType::F32,
+                data,
+                scale,
+            )
+        }
+        "int4" => {
+            let q = quant::quantize_int4(&w, rows, cols, 32);
+            (
+                WeightFormat::Int4Group { group: 32 },
+                ScaleType::Bf16,
+                q.data,
+                q.scale,
+            )
+        }
+        "int4g64" => {
+            let q = quant::quantize_int4(&w, rows, cols, 64);
+            (
+                WeightFormat::Int4Group { group: 64 },
+                ScaleType::Bf16,
+                q.data,
+                q.scale,
+            )
+        }
+        "mxfp4" => {
+            let q = quant::quantize_mxfp4(&w, rows, cols, 32);
+            (
+                WeightFormat::Mxfp4 { group: 32 },
+                ScaleType::E8m0,
+                q.data,
+                q.scale,
+            )
+        }
+        "q8" => {
+            let q = quant::quantize_q8(&w, rows, cols, 32);
+            (
+                WeightFormat::Q8 { group: 32 },
+                ScaleType::F16,
+                q.data,
+                q.scale,
+            )
+        }
+        _ => unreachable!(),
+    };
+    Mat {
+        rows,
+        cols,
+        format,
+        st,
+        data,
+        scale,
+    }
+}
+
+const FORMATS: &[&str] = &[
+    "f32", "f16", "bf16", "fp8", "int4", "int4g64", "mxfp4", "q8",
+];
+
+fn integer(name: &str) -> bool {
+    matches!(name, "int4" | "int4g64" | "mxfp4" | "q8")
+}
+
+/// (rows, cols): SIMD-shaped, FP8 partial blocks (320 = 2.5 x 128), and non-multiple-of-32
+/// columns (scalar fallback on every ISA).
+fn shapes(name: &str) -> Vec<(usize, usize)> {
+    let mut s = vec![(37, 256), (130, 320)];
+    if !integer(name) {
+        s.push((5, 72));
+    }
+    s
+}
+
+fn inputs(n: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut r = rng(seed);
+    // Wide dynamic range, like real activations (a few large entries).
+    (0..n * cols)
+        .map(|i| r() * if i % 17 == 0 { 8.0 } else { 1.0 })
+        .collect()
+}
+
+fn run(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, act: Act) -> Vec<f32> {
+    let mut out = vec![0f32; n * m.rows()];
+    kernels::matmul_with(isa, m, x, n, &mut out, act);
+    out
+}
+
+fn simd_isas() -> Vec<Isa> {
+    [Isa::Avx2, Isa::Neon]
+        .into_iter()
+        .filter(|i| i.available())
+        .collect()
+}
+
+#[test]
+fn reference_matches_f64_math() {
+    for &name in FORMATS {
+        for (rows, cols) in shapes(name) {
+            let mat = make(name, rows, cols, 1);
+            let m = mat.view();
+            let w = m.to_f32();
+            for n in [1, 3, 16] {
+                let x = inputs(n, cols, 2);
+                for act in [Act::F32, Act::I8] {
+                    if act == Act::I8 && !integer(name) {
+                        continue;
+                    }
+                    let got = run(Isa::Scalar, &m, &x, n, act);
+                    for t in 0..n {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        for r in 0..rows {
+                            let wr = &w[r * cols..(r + 1) * cols];
+                            let want: f64 =
+                                wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                            let s: f64 = wr
+                                .iter()
+                                .zip(xt)
+                                .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                                .sum();
+                            let mut budget = 1e-5 * s + 1e-30;
+                            if act == Act::I8 {
+                                budget += wr
+                                    .chunks(32)
+                                    .zip(xt.chunks(32))
+                                    .map(|(wb, xb)| {
+                                        let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+                                        wb.iter().map(|v| v.abs() as f64).sum::<f64>() * amax as f64
+                                            / 254.0
+                                            * 1.0001
+                                    })
+                                    .sum::<f64>();
+                            }
+                            let err = (got[t * rows + r] as f64 - want).abs();
+                            assert!(
+                                err <= budget,
+                                "{name} {rows}x{cols} n={n} {act:?} t={t} r={r}: err {err:e} > {budget:e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_matches_reference() {
+    let isas = simd_isas();
+    eprintln!("SIMD paths tested: {isas:?}");
+    for isa in isas {
+        for &name in FORMATS {
+            for (rows, cols) in shapes(name) {
+                let mat = make(name, rows, cols, 3);
+                let m = mat.view();
+                let w = m.to_f32();
+                for n in [1, 2, 3, 4, 5, 8, 16] {
+                    let x = inputs(n, cols, 4 + n as u64);
+                    for act in [Act::F32, Act::I8] {
+                        if act == Act::I8 && !integer(name) {
+                            continue;
+                        }
+                        let want = run(Isa::Scalar, &m, &x, n, act);
+                        let got = run(isa, &m, &x, n, act);
+                        for t in 0..n {
+                            for r in 0..rows {
+                                let s: f64 = w[r * cols..(r + 1) * cols]
+                                    .iter()
+                                    .zip(&x[t * cols..(t + 1) * cols])
+                                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                                    .sum();
+                                let budget = 1e-5 * s + 1e-30;
+                                let err =
+                                    (got[t * rows + r] as f64 - want[t * rows + r] as f64).abs();
+                                assert!(
+                                    err <= budget,
+                                    "{isa:?} {name} {rows}x{cols} n={n} {act:?} t={t} r={r}: err {err:e} > {budget:e}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matvec_equals_matmul_row() {
+    for &name in FORMATS {
+        let mat = make(name, 64, 256, 5);
+        let m = mat.view();
+        let x = inputs(4, 256, 6);
+        let all = run(Isa::detect(), &m, &x, 4, Act::F32);
+        for t in 0..4 {
+            let one = run(Isa::detect(), &m, &x[t * 256..(t + 1) * 256], 1, Act::F32);
+            for r in 0..64 {
+                let (a, b) = (one[r], all[t * 64 + r]);
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{name} t={t} r={r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn quantizers_round_trip_through_the_decoders() {
+    let (rows, cols) = (16, 256);
+    let mut r = rng(9);
+    let w: Vec<f32> = (0..rows * cols).map(|_| r() * 0.05).collect();
+    let cases = [
+        (
+            "q8",
+            quant::quantize_q8(&w, rows, cols, 32),
+            WeightFormat::Q8 { group: 32 },
+            ScaleType::F16,
+            0.005,
+        ),
+        (
+            "int4",
+            quant::quantize_int4(&w, rows, cols, 32),
+            WeightFormat::Int4Group { group: 32 },
+            ScaleType::Bf16,
+            0.12,
+        ),
+        (
+            "mxfp4",
+            quant::quantize_mxfp4(&w, rows, cols, 32),
+            WeightFormat::Mxfp4 { group: 32 },
+            ScaleType::E8m0,
+            0.15,
+        ),
+    ];
+    for (name, q, format, st, rel_budget) in cases {
+        let m = WeightMatrix::new(rows, cols, format, &q.data, &q.scale, st).expect(name);
+        let back = m.to_f32();
+        // The decoder reads back what the quantizer says it wrote: same error figures.
+        let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f32);
+        for (&a, &b) in w.iter().zip(&back) {
+            max_abs = max_abs.max((a - b).abs());
+            num += ((a - b) as f64).powi(2);
+            den += (a as f64).powi(2);
+        }
+        let rel = (num / den).sqrt() as f32;
+        assert!(
+            (rel - q.error.rel_rms).abs() <= 1e-6 && max_abs == q.error.max_abs,
+            "{name}: decoder disagrees with quantizer ({rel} vs {:?})",
+            q.error
+        );
+        assert!(
+            rel <= rel_budget,
+            "{name}: relative RMS error {rel} > {rel_budget}"
+        );
+        eprintln!("{name}: rel RMS {rel:.4}, max abs {max_abs:.2e}");
+    }
+}
+
+#[test]
+fn fused_gate_up_silu_matches_separate() {
+    let g = make("mxfp4", 96, 256, 11);
+    let u = make("mxfp4", 96, 256, 12);
+    let x = inputs(3, 256, 13);
+    let (gv, uv) = (g.view(), u.view());
+    let mut fused = vec![0f32; 3 * 96];
+    kernels::gate_up_silu(&gv, &uv, &x, 3, &mut fused, Act::F32);
+    let a = run(Isa::detect(), &gv, &x, 3, Act::F32);
+    let b = run(Isa::detect(), &uv, &x, 3, Act::F32);
+    for i in 0..3 * 96 {
+        let want = a[i] / (1.0 + (-a[i]).exp()) * b[i];
+        assert!((fused[i] - want).abs() <= 1e-6 * (1.0 + want.abs()));
+    }
+}
