@@ -47,7 +47,9 @@ pub enum SnapshotError {
     BadMagic,
     #[error("snapshot is truncated ({len} bytes; too short for {what})")]
     Truncated { len: usize, what: &'static str },
-    #[error("snapshot format version {found} is newer than this build reads (version {supported})")]
+    #[error(
+        "snapshot format version {found} is newer than this build reads (version {supported})"
+    )]
     NewerVersion { found: u32, supported: u32 },
     #[error("snapshot checksum mismatch: the file is corrupted or truncated")]
     Checksum,
@@ -238,11 +240,7 @@ impl<'a> Reader<'a> {
 
 /// Check a snapshot's framing (length, magic, version, checksum) and model hash, then rebuild
 /// the session. Returns the session and its token history.
-pub fn decode(
-    bytes: &[u8],
-    model: &Model,
-    hash: &[u8; 32],
-) -> SnapshotResult<(Session, Vec<u32>)> {
+pub fn decode(bytes: &[u8], model: &Model, hash: &[u8; 32]) -> SnapshotResult<(Session, Vec<u32>)> {
     if bytes.len() < SNAPSHOT_MAGIC.len() {
         return Err(SnapshotError::Truncated {
             len: bytes.len(),
@@ -398,7 +396,9 @@ pub fn save(
             },
             e => e,
         })?;
-        let f = w.into_inner().map_err(|e| io("write", &tmp)(e.into_error()))?;
+        let f = w
+            .into_inner()
+            .map_err(|e| io("write", &tmp)(e.into_error()))?;
         f.sync_all().map_err(io("fsync", &tmp))?;
         drop(f);
         std::fs::rename(&tmp, path).map_err(io("rename", path))?;

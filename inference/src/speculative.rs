@@ -168,7 +168,8 @@ pub struct ModelDrafter {
 
 impl ModelDrafter {
     /// `target_vocab`: the target's vocabulary size; the draft model's must not be larger.
-    /// `sampler`: the target's sampler settings (greedy drafts when greedy).
+    /// `sampler`: how drafts are drawn, usually the target's settings (greedy drafts when
+    /// greedy; any settings keep the output lossless, they only change the acceptance).
     pub fn new(model: Arc<Model>, target_vocab: usize, sampler: &SamplerConfig) -> Result<Self> {
         if model.vocab_size() > target_vocab {
             return Err(InferenceError::InvalidArgument(format!(
@@ -227,7 +228,9 @@ impl Drafter for ModelDrafter {
         let keep = common.min(context.len() - 1).min(self.session.len());
         self.session.truncate(keep)?;
         self.history.truncate(keep);
-        let mut logits = self.model.forward_last(&mut self.session, &context[keep..])?;
+        let mut logits = self
+            .model
+            .forward_last(&mut self.session, &context[keep..])?;
         self.history.extend_from_slice(&context[keep..]);
         let greedy = self.sampler.config().is_greedy();
         let mut tokens = Vec::with_capacity(k);
@@ -442,11 +445,8 @@ pub fn accept_or_resample(
     d: u32,
     rng: &mut Rng,
 ) -> Option<u32> {
-    let prob = |dist: &[(u32, f32)], t: u32| {
-        dist.iter()
-            .find(|x| x.0 == t)
-            .map_or(0.0, |x| x.1 as f64)
-    };
+    let prob =
+        |dist: &[(u32, f32)], t: u32| dist.iter().find(|x| x.0 == t).map_or(0.0, |x| x.1 as f64);
     let pd = prob(p, d);
     let qd = q.map_or(1.0, |q| prob(q, d));
     let u = rng.next_f64();
