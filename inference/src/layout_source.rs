@@ -560,8 +560,8 @@ impl ExpertFetcher {
         let mut waiting = 0usize;
         st.clock += 1;
         let now = st.clock;
-        for i in 0..n {
-            match st.slots.get_mut(&(layer, experts[i])) {
+        for (i, &e) in experts.iter().enumerate() {
+            match st.slots.get_mut(&(layer, e)) {
                 Some(Slot::Ready {
                     unused_prefetch,
                     last_use,
