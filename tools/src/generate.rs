@@ -93,6 +93,8 @@ pub struct GenerateArgs {
     /// End with one JSON object on stdout (statistics go to stderr).
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub spec: crate::speculative_cmd::SpecArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -578,24 +580,32 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let mut text = String::new();
     let mut io_err: Option<std::io::Error> = None;
     let mut detok_err: Option<anyhow::Error> = None;
-    let result = run_measured(&loaded, &prompt, &config, &mut |id| {
-        let piece = match detok.as_mut() {
-            Some(d) => match d.push(id) {
-                Ok(s) => s,
-                Err(e) => {
-                    detok_err = Some(e);
-                    return false;
-                }
-            },
-            None => format!("{id} "),
-        };
-        text.push_str(&piece);
-        if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-            io_err = Some(e);
-            return false;
-        }
-        true
-    });
+    let mut spec_metrics = serde_json::Map::new();
+    let result = crate::speculative_cmd::run(
+        &args.spec,
+        &loaded,
+        &prompt,
+        &config,
+        &mut spec_metrics,
+        &mut |id| {
+            let piece = match detok.as_mut() {
+                Some(d) => match d.push(id) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        detok_err = Some(e);
+                        return false;
+                    }
+                },
+                None => format!("{id} "),
+            };
+            text.push_str(&piece);
+            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                io_err = Some(e);
+                return false;
+            }
+            true
+        },
+    );
     if let Some(e) = detok_err {
         return Err(e);
     }
@@ -628,6 +638,9 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if args.json {
         eprintln!("{stats}");
         let mut v = run.to_json(&loaded, &prompt);
+        if let Some(obj) = v.as_object_mut() {
+            obj.extend(spec_metrics);
+        }
         if let Some(t) = text {
             v["text"] = t.into();
         }
@@ -689,6 +702,28 @@ pub(crate) fn run_measured(
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> anyhow::Result<Measured> {
     let model = &loaded.model;
+    run_measured_with(loaded, on_token, &mut |on_tok| {
+        Ok(generate(
+            model,
+            &mut model.new_session(),
+            prompt,
+            config,
+            on_tok,
+        )?)
+    })
+}
+
+/// The generation step of [`run_measured`], supplied by the caller (speculative decoding,
+/// session snapshots).
+pub(crate) type GenStep<'a> = dyn FnMut(&mut dyn FnMut(u32) -> bool) -> anyhow::Result<deltafin_inference::GenerateOutput>
+    + 'a;
+
+/// [`run_measured`] with the generation step supplied.
+pub(crate) fn run_measured_with(
+    loaded: &Loaded,
+    on_token: &mut dyn FnMut(u32) -> bool,
+    gen: &mut GenStep<'_>,
+) -> anyhow::Result<Measured> {
     let fetch = || {
         loaded
             .layout
@@ -705,7 +740,7 @@ pub(crate) fn run_measured(
     let mut f1: Option<FetchStats> = None;
     let mut times: Vec<Instant> = Vec::new();
     let start = Instant::now();
-    let output = generate(model, &mut model.new_session(), prompt, config, &mut |id| {
+    let output = gen(&mut |id| {
         times.push(Instant::now());
         if f1.is_none() {
             f1 = Some(fetch());

@@ -6,6 +6,7 @@ mod demo;
 mod generate;
 mod layout_cmd;
 mod progress;
+mod speculative_cmd;
 mod synth_cmd;
 mod util;
 mod verify_cmd;
