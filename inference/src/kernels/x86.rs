@@ -152,20 +152,22 @@ f32_tile!(f32_f16, false, |p, c| {
 });
 
 f32_tile!(f32_fp8, true, |p, c| {
-    let q = p.add(c);
-    let half = |o: usize| {
-        let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(q.add(o) as *const __m128i));
-        let sign = _mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(-0x8000));
-        let mag = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(0x3f80));
-        let h = _mm256_or_si256(sign, mag);
-        (
-            _mm256_cvtph_ps(_mm256_castsi256_si128(h)),
-            _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)),
-        )
-    };
-    let (a, b) = half(0);
-    let (c2, d) = half(16);
-    [a, b, c2, d]
+    // e4m3 -> f16 bits: put each byte in the high half of a 16-bit lane (sign at bit 15),
+    // shift right arithmetically by one (exponent and mantissa land on f16's low exponent bits
+    // and high mantissa bits; the sign is copied into bit 14) and clear bit 14. The f16 value
+    // is 2^-8 of the e4m3 value (bias 15 vs 7), subnormals included.
+    let v = _mm256_loadu_si256(p.add(c) as *const __m256i);
+    let z = _mm256_setzero_si256();
+    let keep = _mm256_set1_epi16(-0x4001); // 0xbfff
+                                           // unpacklo: bytes 0..8 (lane 0) and 16..24 (lane 1); unpackhi: 8..16 and 24..32.
+    let lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(z, v), 1), keep);
+    let hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(z, v), 1), keep);
+    [
+        _mm256_cvtph_ps(_mm256_castsi256_si128(lo)),
+        _mm256_cvtph_ps(_mm256_castsi256_si128(hi)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1)),
+    ]
 });
 
 f32_tile!(f32_int4, true, |p, c| {
@@ -247,22 +249,21 @@ pub unsafe fn row_f32(
 macro_rules! i8_tile {
     ($name:ident, |$p:ident, $c:ident| $decode:expr) => {
         /// # Safety
-        /// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row, `scales`
-        /// one per 32-block (`cols / 32`), `q` `N * cols` codes, `d` `N * cols / 32` scales,
-        /// `out` `N` values.
+        /// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row, `sd` the
+        /// `N * cols / 32` products weight scale x input scale, `q` `N * cols` codes, `out` `N`
+        /// values.
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn $name<const N: usize>(
             row: &[u8],
-            scales: &[f32],
+            sd: &[f32],
             q: &[i8],
-            d: &[f32],
             cols: usize,
             out: &mut [f32],
         ) {
             let $p = row.as_ptr();
             let qp = q.as_ptr();
             let blocks = cols / BLOCK;
-            let scales = &scales[..blocks];
+            let sd = &sd[..N * blocks];
             let ones = _mm256_set1_epi16(1);
             let mut acc0 = [_mm256_setzero_ps(); N];
             let mut acc1 = [_mm256_setzero_ps(); N];
@@ -270,9 +271,8 @@ macro_rules! i8_tile {
                 ($b:expr, $acc:ident) => {{
                     let b = $b;
                     let $c = b * BLOCK;
-                    let sw = scales[b];
                     // SAFETY: `b < blocks`, so the decode reads inside the row and the input
-                    // loads read `q[t*cols + 32b ..][..32]` and `d[t*blocks + b]`, `t < N`.
+                    // loads read `q[t*cols + 32b ..][..32]` and `sd[t*blocks + b]`, `t < N`.
                     unsafe {
                         let w: __m256i = $decode;
                         let aw = _mm256_abs_epi8(w);
@@ -280,7 +280,7 @@ macro_rules! i8_tile {
                             let xv = _mm256_loadu_si256(qp.add(t * cols + $c) as *const __m256i);
                             let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
                             let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                            let dv = _mm256_set1_ps(sw * *d.get_unchecked(t * blocks + b));
+                            let dv = _mm256_broadcast_ss(sd.get_unchecked(t * blocks + b));
                             *a = _mm256_fmadd_ps(f, dv, *a);
                         }
                     }
@@ -343,34 +343,45 @@ pub unsafe fn row_i8(
     debug_assert!(q.len() >= n * cols && d.len() * BLOCK >= n * cols && out.len() >= n);
     let blocks = cols / BLOCK;
     debug_assert!(scales.len() >= blocks);
-    let mut t = 0;
-    while t < n {
-        let take = (n - t).min(4);
-        let qs = &q[t * cols..(t + take) * cols];
-        let ds = &d[t * blocks..(t + take) * blocks];
-        let o = &mut out[t..t + take];
-        macro_rules! go {
-            ($f:ident) => {
-                // SAFETY: the caller's contract is the tile's; `qs`, `ds`, `o` hold `take`
-                // inputs / outputs.
-                unsafe {
-                    match take {
-                        4 => $f::<4>(row, scales, qs, ds, cols, o),
-                        3 => $f::<3>(row, scales, qs, ds, cols, o),
-                        2 => $f::<2>(row, scales, qs, ds, cols, o),
-                        _ => $f::<1>(row, scales, qs, ds, cols, o),
-                    }
-                }
-            };
-        }
-        match kind {
-            Kind::Int4 { .. } => go!(i8_int4),
-            Kind::Mxfp4 { .. } => go!(i8_mxfp4),
-            Kind::Q8 { .. } => go!(i8_q8),
-            _ => unreachable!("int8 kernels take INT4, MXFP4 and Q8 only"),
-        }
-        t += take;
+    thread_local! {
+        static SD: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
+    SD.with(|sd| {
+        let mut sd = sd.borrow_mut();
+        sd.clear();
+        // Products of weight and input scales, once per row (vectorized by the compiler).
+        for dt in d[..n * blocks].chunks_exact(blocks) {
+            sd.extend(dt.iter().zip(&scales[..blocks]).map(|(a, b)| a * b));
+        }
+        let mut t = 0;
+        while t < n {
+            let take = (n - t).min(4);
+            let qs = &q[t * cols..(t + take) * cols];
+            let sds = &sd[t * blocks..(t + take) * blocks];
+            let o = &mut out[t..t + take];
+            macro_rules! go {
+                ($f:ident) => {
+                    // SAFETY: the caller's contract is the tile's; `qs`, `sds`, `o` hold
+                    // `take` inputs / outputs.
+                    unsafe {
+                        match take {
+                            4 => $f::<4>(row, sds, qs, cols, o),
+                            3 => $f::<3>(row, sds, qs, cols, o),
+                            2 => $f::<2>(row, sds, qs, cols, o),
+                            _ => $f::<1>(row, sds, qs, cols, o),
+                        }
+                    }
+                };
+            }
+            match kind {
+                Kind::Int4 { .. } => go!(i8_int4),
+                Kind::Mxfp4 { .. } => go!(i8_mxfp4),
+                Kind::Q8 { .. } => go!(i8_q8),
+                _ => unreachable!("int8 kernels take INT4, MXFP4 and Q8 only"),
+            }
+            t += take;
+        }
+    })
 }
 
 /// `out[i] = f16(bytes[2i..2i+2])` for every `out`.
