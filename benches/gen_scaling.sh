@@ -24,6 +24,7 @@ while [ $# -gt 0 ]; do
         --long-prompt) LONG=$2; shift 2 ;;
         --modes) MODES=$2; shift 2 ;;
         --drives) COUNTS=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
         *) echo "unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -41,7 +42,7 @@ fi
 model_bytes=$(du -sb "$work/$PRESET" | cut -f1)
 size_gb=$(( model_bytes / 1000000000 + 2 ))
 drives_setup 4 "$size_gb" "$BPS"
-out="$repo/benches/results/gen_scaling.json"
+out=${OUT:-"$repo/benches/results/gen_scaling.json"}
 tmp=$(mktemp -d)
 for mode in $MODES; do
     for n in $COUNTS; do
