@@ -335,7 +335,7 @@ pub struct KController {
 impl KController {
     const DECAY: f64 = 0.85;
     const COST_DECAY: f64 = 0.7;
-    const PROBE_MIN: usize = 8;
+    const PROBE_MIN: usize = 16;
     const PROBE_MAX: usize = 256;
 
     pub fn new(max_k: usize, adaptive: bool) -> KController {
@@ -397,7 +397,7 @@ impl KController {
             if self.plain_since_probe >= self.probe_every {
                 self.plain_since_probe = 0;
                 self.probe_every = (self.probe_every * 2).min(Self::PROBE_MAX);
-                return cap.min(2);
+                return cap.min(1);
             }
         }
         best.0
