@@ -100,15 +100,7 @@ impl ScaleType {
 
 pub use crate::kernels::scalar::{bf16_to_f32, dot, fp8_e4m3_to_f32};
 
-/// `2^(e-127)`; 255 is NaN.
-#[inline]
-pub fn e8m0_to_f32(e: u8) -> f32 {
-    match e {
-        255 => f32::NAN,
-        0 => f32::from_bits(0x0040_0000), // 2^-127, subnormal
-        e => f32::from_bits((e as u32) << 23),
-    }
-}
+pub use deltafin_storage::formats::e8m0_to_f32;
 
 /// A weight matrix borrowing its bytes. Constructed only through checked constructors, so the
 /// byte lengths always match the shape and every kernel indexes in bounds.

@@ -43,6 +43,7 @@ fn lay_out(
         mode,
         stripe_unit: unit,
         force: false,
+        transform: None,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let dirs = m.drives.iter().map(|d| d.path.clone()).collect();

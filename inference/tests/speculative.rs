@@ -265,6 +265,7 @@ fn synth_layout(arch: &str, seed: u64) -> (tempfile::TempDir, Model) {
         mode: Mode::Stripe,
         stripe_unit: 8192,
         force: false,
+        transform: None,
     };
     let m = write_layout(&Checkpoint::open(&ck).unwrap(), &opts, &NoProgress).unwrap();
     let src = LayoutSource::open(

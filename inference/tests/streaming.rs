@@ -60,6 +60,7 @@ fn lay_out(ckpt: &Path, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, P
         mode,
         stripe_unit: 8192,
         force: false,
+        transform: None,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let first = m.drives[0].path.clone();

@@ -21,6 +21,7 @@ use crate::manifest::{
     sync_dir, DriveEntry, ExpertTemplate, Manifest, RecordEntry, RecordId, RecordTensor, DATA_FILE,
     MANIFEST_FILE, MANIFEST_FORMAT, MANIFEST_VERSION, UNIT_HASHES_FILE,
 };
+use crate::safetensors::Dtype;
 use crate::stripe::{align_up, Mode, Placement, ALIGN};
 
 /// Default stripe unit (see README: measured with `benches/stripe_unit.sh`).
@@ -34,6 +35,52 @@ pub struct LayoutOptions {
     pub mode: Mode,
     pub stripe_unit: u64,
     pub force: bool,
+    /// Rewrites every routed expert record while laying out (e.g. quantizing it); `None`
+    /// copies the checkpoint's bytes.
+    pub transform: Option<Arc<dyn ExpertTransform>>,
+}
+
+/// Name, dtype and shape of one tensor inside an expert record (`gate_proj.weight`), and its
+/// byte length.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PartSpec {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub len: u64,
+}
+
+impl PartSpec {
+    /// A part whose length is its element count times the dtype size.
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> PartSpec {
+        let len = shape.iter().product::<u64>() * dtype.size_bytes().unwrap_or(1);
+        PartSpec {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            len,
+        }
+    }
+}
+
+/// A rewrite of routed expert records applied while laying out (layout-time quantization).
+///
+/// [`plan`] asks [`ExpertTransform::parts`] for each expert's output tensors from the source
+/// parts' names, dtypes and shapes alone (so record lengths are known before anything is
+/// written); the writer then calls [`ExpertTransform::apply`] with each expert's bytes and
+/// writes (and hashes) what it returns, which must have exactly those lengths.
+pub trait ExpertTransform: Send + Sync + std::fmt::Debug {
+    /// The parts a record holds after the transform, in record order.
+    fn parts(&self, source: &[PartSpec]) -> Result<Vec<PartSpec>>;
+    /// The bytes of each part [`Self::parts`] returned for `source`, in the same order.
+    fn apply(&self, layer: u32, expert: u32, source: &[(&PartSpec, &[u8])])
+        -> Result<Vec<Vec<u8>>>;
+    /// The model config the manifest records (the source config goes in).
+    fn config(&self, source: &serde_json::Value) -> Result<serde_json::Value>;
+    /// Extra manifest `meta` entries, asked once every record is written.
+    fn meta(&self) -> BTreeMap<String, String> {
+        BTreeMap::new()
+    }
 }
 
 /// Progress reports (the CLI maps them onto a progress bar).
@@ -63,6 +110,8 @@ struct PlannedRecord {
     len: u64,
     sources: Vec<Source>,
     tensors: Vec<RecordTensor>,
+    /// Expert records rewritten by the transform: the source parts, in `sources` order.
+    transform_from: Option<Vec<PartSpec>>,
 }
 
 /// The records and their logical placement, before anything is written.
@@ -79,6 +128,11 @@ pub struct Plan {
 /// Decide the record order: resident tensors first (one record each, file order), then every
 /// layer's experts in (layer, expert) order so a layer's records sit together.
 pub fn plan(ckpt: &Checkpoint) -> Result<Plan> {
+    plan_with(ckpt, None)
+}
+
+/// [`plan`], with expert records rewritten by `transform` (lengths from its output parts).
+pub fn plan_with(ckpt: &Checkpoint, transform: Option<&dyn ExpertTransform>) -> Result<Plan> {
     let mut records = Vec::new();
     let mut offset = 0u64;
     let mut resident_bytes = 0;
@@ -102,6 +156,7 @@ pub fn plan(ckpt: &Checkpoint) -> Result<Plan> {
                 offset: 0,
                 len,
             }],
+            transform_from: None,
         });
         resident_bytes += len;
         offset += align_up(len.max(1));
@@ -111,32 +166,57 @@ pub fn plan(ckpt: &Checkpoint) -> Result<Plan> {
     let experts = ckpt.experts()?;
     let expert_records = experts.len();
     for e in experts {
-        let mut tensors = Vec::new();
-        let mut sources = Vec::new();
-        let mut len = 0u64;
-        for p in &e.parts {
-            // Each tensor starts 64-byte aligned inside the record so kernels can use aligned loads.
-            len = len.div_ceil(64) * 64;
-            tensors.push(RecordTensor {
+        let sources: Vec<Source> = e
+            .parts
+            .iter()
+            .map(|p| Source {
+                file: p.file,
+                offset: p.offset,
+                len: p.len,
+            })
+            .collect();
+        let source_specs: Vec<PartSpec> = e
+            .parts
+            .iter()
+            .map(|p| PartSpec {
                 name: p.part.clone(),
                 dtype: p.dtype.clone(),
                 shape: p.shape.clone(),
-                offset: len,
                 len: p.len,
-            });
-            sources.push(Source {
-                file: p.file,
-                offset: p.offset,
+            })
+            .collect();
+        let (out_specs, transform_from) = match transform {
+            Some(t) => (t.parts(&source_specs)?, Some(source_specs)),
+            None => (source_specs, None),
+        };
+        let mut tensors = Vec::new();
+        let mut len = 0u64;
+        for p in out_specs {
+            // Each tensor starts 64-byte aligned inside the record so kernels can use aligned loads.
+            len = len.div_ceil(64) * 64;
+            tensors.push(RecordTensor {
+                name: p.name,
+                dtype: p.dtype,
+                shape: p.shape,
+                offset: len,
                 len: p.len,
             });
             len += p.len;
         }
-        if templates.last().map(|t| t.layer) != Some(e.layer) {
-            templates.push(ExpertTemplate {
+        match templates.last() {
+            Some(t) if t.layer == e.layer => {
+                if t.len != len || t.tensors != tensors {
+                    return Err(StorageError::InvalidArgument(format!(
+                        "layer {} expert {}: tensors differ from the layer's other experts",
+                        e.layer, e.expert
+                    )));
+                }
+            }
+            _ => templates.push(ExpertTemplate {
                 layer: e.layer,
                 len,
                 tensors: tensors.clone(),
-            });
+            }),
         }
         records.push(PlannedRecord {
             id: RecordId::Expert {
@@ -147,6 +227,7 @@ pub fn plan(ckpt: &Checkpoint) -> Result<Plan> {
             len,
             sources,
             tensors: Vec::new(),
+            transform_from,
         });
         expert_bytes += len;
         offset += align_up(len.max(1));
@@ -381,7 +462,12 @@ pub fn write_layout(
         }
     }
 
-    let plan = plan(ckpt)?;
+    let transform = opts.transform.as_deref();
+    let config = match transform {
+        Some(t) => t.config(&ckpt.config)?,
+        None => ckpt.config.clone(),
+    };
+    let plan = plan_with(ckpt, transform)?;
 
     // 2. free space (an old data.bin we are about to overwrite counts as free)
     let units = placement.unit_count(plan.logical_len);
@@ -470,6 +556,58 @@ pub fn write_layout(
         } else {
             r.tensors.iter().map(|x| x.offset).collect()
         };
+        if let (Some(from), Some(t), RecordId::Expert { layer, expert }) =
+            (&r.transform_from, transform, &r.id)
+        {
+            let inputs: Vec<(&PartSpec, &[u8])> = from
+                .iter()
+                .zip(&r.sources)
+                .map(|(p, s)| (p, ckpt.slice(s.file, s.offset, s.len)))
+                .collect();
+            let parts = t.apply(*layer, *expert, &inputs)?;
+            let template = plan
+                .templates
+                .iter()
+                .find(|t| t.layer == *layer)
+                .map(|t| t.tensors.as_slice())
+                .unwrap_or_default();
+            if parts.len() != template.len() {
+                return Err(StorageError::InvalidArgument(format!(
+                    "{}: transform returned {} parts, planned {}",
+                    r.id,
+                    parts.len(),
+                    template.len()
+                )));
+            }
+            for (bytes, spec) in parts.iter().zip(template) {
+                if bytes.len() as u64 != spec.len {
+                    return Err(StorageError::InvalidArgument(format!(
+                        "{}: transform returned {} bytes for `{}`, planned {}",
+                        r.id,
+                        bytes.len(),
+                        spec.name,
+                        spec.len
+                    )));
+                }
+                if spec.offset > rec_pos {
+                    let zeros = vec![0u8; (spec.offset - rec_pos) as usize];
+                    hasher.update(&zeros);
+                    lw.write(&zeros)?;
+                    rec_pos = spec.offset;
+                }
+                hasher.update(bytes);
+                lw.write(bytes)?;
+                rec_pos += spec.len;
+            }
+            entries.push(RecordEntry {
+                id: r.id.clone(),
+                offset: r.offset,
+                len: r.len,
+                hash: hasher.finalize().to_hex().to_string(),
+                tensors: r.tensors.clone(),
+            });
+            continue;
+        }
         for (si, s) in r.sources.iter().enumerate() {
             let at = tensor_offsets.get(si).copied().unwrap_or(rec_pos);
             if at > rec_pos {
@@ -524,6 +662,9 @@ pub fn write_layout(
         plan.resident_bytes.to_string(),
     );
     meta.insert("expert_bytes".to_string(), plan.expert_bytes.to_string());
+    if let Some(t) = transform {
+        meta.extend(t.meta());
+    }
     let mut manifest = Manifest {
         format: MANIFEST_FORMAT.into(),
         version: MANIFEST_VERSION,
@@ -536,7 +677,7 @@ pub fn write_layout(
         mode: opts.mode,
         stripe_unit: opts.stripe_unit,
         model_type: ckpt.model_type.clone(),
-        config: ckpt.config.clone(),
+        config,
         drives,
         this_drive: 0,
         logical_len: plan.logical_len,

@@ -3,6 +3,7 @@
 //!
 //! - [`safetensors`]: parse untrusted safetensors headers, write new files.
 //! - [`checkpoint`]: a Hugging Face model directory and its resident/expert split.
+//! - [`formats`]: packed weight formats (FP8, INT4, MXFP4, Q8): decoders and RTN quantizers.
 //! - [`synth`]: synthetic checkpoints in the real on-disk format.
 //! - [`stripe`]: where logical bytes live on the drives (replicate / stripe).
 //! - [`manifest`]: the versioned layout manifest.
@@ -17,6 +18,7 @@ pub mod buffer;
 pub mod checkpoint;
 pub mod engine;
 pub mod error;
+pub mod formats;
 pub mod layout;
 pub mod manifest;
 pub mod safetensors;

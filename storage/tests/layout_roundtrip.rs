@@ -39,6 +39,7 @@ fn opts(drives: Vec<PathBuf>, mode: Mode, unit: u64) -> LayoutOptions {
         mode,
         stripe_unit: unit,
         force: false,
+        transform: None,
     }
 }
 

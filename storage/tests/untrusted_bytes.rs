@@ -68,6 +68,7 @@ fn manifest_mutations() {
         mode: deltafin_storage::stripe::Mode::Stripe,
         stripe_unit: 8192,
         force: false,
+        transform: None,
     };
     write_layout(&ck, &opts, &NoProgress).unwrap();
     let bytes = std::fs::read(d.join("m/manifest.json")).unwrap();

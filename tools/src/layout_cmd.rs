@@ -1,10 +1,12 @@
 //! `deltafin layout`.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
 use deltafin_storage::checkpoint::Checkpoint;
+use deltafin_storage::formats::{ExpertFormat, QuantizeExperts, TensorQuantError};
 use deltafin_storage::layout::{write_layout, LayoutOptions, DEFAULT_STRIPE_UNIT};
 use deltafin_storage::stripe::Mode;
 use serde::Deserialize;
@@ -35,6 +37,11 @@ pub struct LayoutArgs {
     /// Replace an existing layout of the same name.
     #[arg(long)]
     pub force: bool,
+    /// Quantize routed experts of a BF16 checkpoint while laying out (RTN, one scale per 32
+    /// values): mxfp4, int4 (compressed-tensors, as shipped) or q8. Errors per tensor go to
+    /// `quantize_errors.json` next to each drive's manifest; a summary is printed.
+    #[arg(long, value_name = "FORMAT")]
+    pub quantize_experts: Option<ExpertFormat>,
     #[arg(long, short)]
     pub quiet: bool,
 }
@@ -91,12 +98,18 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
         .context("give --name (or \"name\" in the spec)")?;
     let ckpt = Checkpoint::open(&a.model)
         .with_context(|| format!("opening checkpoint {}", a.model.display()))?;
+    let quant = a
+        .quantize_experts
+        .map(|f| Arc::new(QuantizeExperts::new(f)));
     let opts = LayoutOptions {
         name,
         drives,
         mode,
         stripe_unit: unit,
         force: a.force,
+        transform: quant
+            .clone()
+            .map(|q| q as Arc<dyn deltafin_storage::layout::ExpertTransform>),
     };
     let t = Instant::now();
     let m = write_layout(&ckpt, &opts, &Bar::new(a.quiet))?;
@@ -127,5 +140,64 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
             human(d.data_len)
         );
     }
+    if let Some(q) = quant {
+        let errors = q.errors();
+        let report = serde_json::json!({
+            "format": q.format.to_string(),
+            "layout_id": m.layout_id,
+            "tensors": errors,
+        });
+        let text = serde_json::to_vec_pretty(&report)?;
+        for d in &m.drives {
+            let p = d.path.join(QUANT_ERRORS_FILE);
+            std::fs::write(&p, &text).with_context(|| format!("writing {}", p.display()))?;
+        }
+        print_summary(&q.format.to_string(), &errors);
+    }
     Ok(())
+}
+
+/// Per-tensor quantization errors, next to each drive's manifest.
+pub const QUANT_ERRORS_FILE: &str = "quantize_errors.json";
+
+/// One line per projection kind (gate/up/down ...) and a total: tensors, bytes in/out, rel RMS
+/// (mean, max) and max |error|.
+fn print_summary(format: &str, errors: &[TensorQuantError]) {
+    let mut kinds: std::collections::BTreeMap<String, Vec<&TensorQuantError>> = Default::default();
+    for e in errors {
+        let kind = e.tensor.rsplit('.').nth(1).unwrap_or("?").to_string();
+        kinds.entry(kind).or_default().push(e);
+        kinds.entry("all".into()).or_default().push(e);
+    }
+    println!(
+        "quantized routed experts to {format} ({} tensors):",
+        errors.len()
+    );
+    println!(
+        "  {:<12} {:>7} {:>10} {:>10} {:>7} {:>12} {:>12} {:>12}",
+        "tensor",
+        "count",
+        "bytes in",
+        "bytes out",
+        "ratio",
+        "rel rms mean",
+        "rel rms max",
+        "max |err|"
+    );
+    for (k, v) in &kinds {
+        let n = v.len().max(1) as f64;
+        let bi: u64 = v.iter().map(|e| e.bytes_in).sum();
+        let bo: u64 = v.iter().map(|e| e.bytes_out).sum();
+        println!(
+            "  {:<12} {:>7} {:>10} {:>10} {:>6.2}x {:>12.5} {:>12.5} {:>12.5}",
+            k,
+            v.len(),
+            human(bi),
+            human(bo),
+            bi as f64 / bo.max(1) as f64,
+            v.iter().map(|e| e.rel_rms as f64).sum::<f64>() / n,
+            v.iter().fold(0f32, |a, e| a.max(e.rel_rms)),
+            v.iter().fold(0f32, |a, e| a.max(e.max_abs)),
+        );
+    }
 }

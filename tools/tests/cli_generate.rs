@@ -132,6 +132,7 @@ fn lay_out(name: &str, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, Ve
         mode,
         stripe_unit: 8192,
         force: false,
+        transform: None,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let dirs = m.drives.iter().map(|d| d.path.clone()).collect();
@@ -291,6 +292,7 @@ fn prompt_text_through_a_tokenizer() {
         mode: Mode::Stripe,
         stripe_unit: 8192,
         force: false,
+        transform: None,
     };
     write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let layout = drive.path().join("m");

@@ -4,20 +4,7 @@
 
 use super::{Kind, BLOCK};
 
-/// FP8 e4m3fn (bias 7, subnormals, no infinities, 0x7f/0xff NaN).
-pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let exp = ((b >> 3) & 0xf) as i32;
-    let man = (b & 0x7) as f32;
-    let mag = if exp == 0 {
-        man / 8.0 * 2f32.powi(-6)
-    } else if exp == 15 && b & 0x7 == 7 {
-        f32::NAN
-    } else {
-        (1.0 + man / 8.0) * 2f32.powi(exp - 7)
-    };
-    sign * mag
-}
+pub use deltafin_storage::formats::{fp8_e4m3_to_f32, MXFP4_LUT};
 
 fn fp8_lut() -> &'static [f32; 256] {
     static LUT: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
@@ -29,11 +16,6 @@ fn fp8_lut() -> &'static [f32; 256] {
         t
     })
 }
-
-/// E2M1 nibble -> value (bit 3 is the sign).
-pub const MXFP4_LUT: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
 
 /// E2M1 nibble -> twice its value, as an integer (the integer kernels' codes).
 pub const MXFP4_X2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
