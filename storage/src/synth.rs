@@ -10,6 +10,9 @@ use std::path::Path;
 use serde_json::{json, Value};
 
 use crate::error::{Result, StorageError};
+use crate::formats::{
+    float_bytes_to_f32, fp8_quantization_config, quantize_fp8_block, ExpertFormat, FP8_BLOCK,
+};
 use crate::layout::Progress;
 use crate::safetensors::{write_header, Dtype, TensorSpec};
 
@@ -27,6 +30,76 @@ enum Init {
     Uniform(f32),
     /// All ones (norm weights).
     Ones,
+    /// Part `part` of the quantized form of `SynthPlan::sources[src]` (a BF16 linear weight
+    /// drawn as `synth` draws it, then quantized).
+    Packed { src: usize, part: usize },
+}
+
+/// The format `synth` writes weights in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SynthFormat {
+    /// Everything BF16 (the default).
+    #[default]
+    Bf16,
+    /// DeepSeek-V3 block FP8: every projection (`*_proj*.weight`) F8_E4M3 with an F32
+    /// `weight_scale_inv` per 128x128 block; embeddings, lm_head, norms and routers stay BF16.
+    Fp8,
+    /// Routed experts packed in this format (compressed-tensors for INT4 / MXFP4); the rest
+    /// BF16.
+    Experts(ExpertFormat),
+}
+
+impl std::str::FromStr for SynthFormat {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "bf16" => Ok(SynthFormat::Bf16),
+            "fp8" => Ok(SynthFormat::Fp8),
+            o => o
+                .parse()
+                .map(SynthFormat::Experts)
+                .map_err(|_| format!("unknown format `{o}` (bf16, fp8, int4, mxfp4, q8)")),
+        }
+    }
+}
+
+impl std::fmt::Display for SynthFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SynthFormat::Bf16 => f.write_str("bf16"),
+            SynthFormat::Fp8 => f.write_str("fp8"),
+            SynthFormat::Experts(e) => e.fmt(f),
+        }
+    }
+}
+
+impl SynthFormat {
+    /// `config` with the `quantization_config` this format's checkpoints carry.
+    pub fn apply_to_config(self, config: &Value) -> Value {
+        let mut cfg = config.clone();
+        let q = match self {
+            SynthFormat::Bf16 => return cfg,
+            SynthFormat::Fp8 => fp8_quantization_config(),
+            SynthFormat::Experts(e) => e.quantization_config(),
+        };
+        if let Some(o) = cfg.as_object_mut() {
+            o.insert("quantization_config".into(), q);
+        }
+        cfg
+    }
+
+    /// Whether the linear weight `name` `[_, cols]` is stored quantized.
+    fn quantizes(self, name: &str, cols: u64) -> bool {
+        let Some(prefix) = name.strip_suffix(".weight") else {
+            return false;
+        };
+        let module = prefix.rsplit('.').next().unwrap_or("");
+        match self {
+            SynthFormat::Bf16 => false,
+            SynthFormat::Fp8 => module.contains("_proj"),
+            SynthFormat::Experts(e) => name.contains(".mlp.experts.") && e.fits(cols),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -326,7 +399,7 @@ fn fill(out: &mut [u8], dtype: &Dtype, init: Init, seed: u64, first: u64) {
     let scale = match init {
         Init::Linear { fan_in } => (3.0 / fan_in.max(1) as f32).sqrt(),
         Init::Uniform(s) => s,
-        Init::Ones => 0.0,
+        Init::Ones | Init::Packed { .. } => 0.0,
     };
     let value = |j: u64| -> f32 {
         if init == Init::Ones {
@@ -369,8 +442,122 @@ pub fn write_checkpoint(
     force: bool,
     progress: &dyn Progress,
 ) -> Result<SynthSummary> {
+    write_checkpoint_as(
+        dir,
+        config,
+        SynthFormat::Bf16,
+        seed,
+        shard_bytes,
+        force,
+        progress,
+    )
+}
+
+/// The seed of tensor `name`'s values.
+fn tensor_seed(seed: u64, name: &str) -> u64 {
+    splitmix(
+        seed ^ u64::from_le_bytes(
+            blake3::hash(name.as_bytes()).as_bytes()[..8]
+                .try_into()
+                .unwrap_or([0; 8]),
+        ),
+    )
+}
+
+/// The values of BF16 linear weight `spec` exactly as a BF16 synth of the same seed writes them.
+fn source_values(spec: &TensorSpec, init: Init, seed: u64) -> Vec<f32> {
+    let mut bytes = vec![0u8; spec.byte_len() as usize];
+    fill(
+        &mut bytes,
+        &Dtype::Bf16,
+        init,
+        tensor_seed(seed, &spec.name),
+        0,
+    );
+    float_bytes_to_f32(&Dtype::Bf16, &bytes).unwrap_or_default()
+}
+
+/// Replace every weight `format` stores quantized by its packed parts (`Init::Packed`);
+/// returns the new list and the replaced sources.
+fn quantized_tensors(
+    tensors: Vec<SynthTensor>,
+    format: SynthFormat,
+) -> (Vec<SynthTensor>, Vec<SynthTensor>) {
+    let mut out = Vec::with_capacity(tensors.len());
+    let mut sources = Vec::new();
+    for t in tensors {
+        let (rows, cols) = match t.spec.shape[..] {
+            [r, c] => (r, c),
+            _ => (0, 0),
+        };
+        if !matches!(t.init, Init::Linear { .. }) || !format.quantizes(&t.spec.name, cols) {
+            out.push(t);
+            continue;
+        }
+        let prefix = t.spec.name.trim_end_matches(".weight").to_string();
+        let parts: Vec<TensorSpec> = match format {
+            SynthFormat::Fp8 => vec![
+                TensorSpec::new(format!("{prefix}.weight"), Dtype::F8E4m3, &[rows, cols]),
+                TensorSpec::new(
+                    format!("{prefix}.weight_scale_inv"),
+                    Dtype::F32,
+                    &[
+                        rows.div_ceil(FP8_BLOCK[0] as u64),
+                        cols.div_ceil(FP8_BLOCK[1] as u64),
+                    ],
+                ),
+            ],
+            SynthFormat::Experts(e) => e
+                .parts(&prefix, rows, cols)
+                .into_iter()
+                .map(|p| TensorSpec::new(p.name, p.dtype, &p.shape))
+                .collect(),
+            SynthFormat::Bf16 => Vec::new(),
+        };
+        let src = sources.len();
+        for (part, spec) in parts.into_iter().enumerate() {
+            out.push(SynthTensor {
+                spec,
+                init: Init::Packed { src, part },
+            });
+        }
+        sources.push(t);
+    }
+    (out, sources)
+}
+
+/// The quantized parts of `t`, in the order [`quantized_tensors`] lists them.
+fn quantize_source(t: &SynthTensor, format: SynthFormat, seed: u64) -> Vec<Vec<u8>> {
+    let (rows, cols) = match t.spec.shape[..] {
+        [r, c] => (r as usize, c as usize),
+        _ => (0, 0),
+    };
+    let w = source_values(&t.spec, t.init, seed);
+    match format {
+        SynthFormat::Fp8 => {
+            let q = quantize_fp8_block(&w, rows, cols, FP8_BLOCK);
+            vec![q.data, q.scale]
+        }
+        SynthFormat::Experts(e) => e.encode(&w, rows, cols).0,
+        SynthFormat::Bf16 => Vec::new(),
+    }
+}
+
+/// [`write_checkpoint`] in `format`: the same values a BF16 synth of this seed draws, with the
+/// weights `format` covers quantized (RTN) and config.json carrying its `quantization_config`.
+pub fn write_checkpoint_as(
+    dir: &Path,
+    config: &Value,
+    format: SynthFormat,
+    seed: u64,
+    shard_bytes: u64,
+    force: bool,
+    progress: &dyn Progress,
+) -> Result<SynthSummary> {
     crate::checkpoint::check_model_type(&dir.join("config.json"), config)?;
-    let tensors = tensors_for(config)?;
+    let config = &format.apply_to_config(config);
+    let (tensors, sources) = quantized_tensors(tensors_for(config)?, format);
+    let mut cached: Option<(usize, Vec<Vec<u8>>)> = None;
     fs::create_dir_all(dir).map_err(|e| StorageError::io(dir, "create", e))?;
     let cfg_path = dir.join("config.json");
     if cfg_path.exists() && !force {
@@ -434,13 +621,32 @@ pub fn write_checkpoint(
         write_header(&mut out, &specs, &meta).map_err(|e| StorageError::io(&tmp, "write", e))?;
         let mut buf = vec![0u8; 16 << 20];
         for t in shard {
-            let seed = splitmix(
-                seed ^ u64::from_le_bytes(
-                    blake3::hash(t.spec.name.as_bytes()).as_bytes()[..8]
-                        .try_into()
-                        .unwrap_or([0; 8]),
-                ),
-            );
+            if let Init::Packed { src, part } = t.init {
+                if cached.as_ref().map(|c| c.0) != Some(src) {
+                    let parts = sources
+                        .get(src)
+                        .map(|s| quantize_source(s, format, seed))
+                        .unwrap_or_default();
+                    cached = Some((src, parts));
+                }
+                let bytes = cached
+                    .as_ref()
+                    .and_then(|c| c.1.get(part))
+                    .filter(|b| b.len() as u64 == t.spec.byte_len())
+                    .ok_or_else(|| {
+                        StorageError::InvalidArgument(format!(
+                            "synth: quantized part `{}` has the wrong length",
+                            t.spec.name
+                        ))
+                    })?;
+                out.write_all(bytes)
+                    .map_err(|e| StorageError::io(&tmp, "write", e))?;
+                progress.advance(bytes.len() as u64);
+                weight_map.insert(t.spec.name.clone(), fname.clone());
+                count += 1;
+                continue;
+            }
+            let seed = tensor_seed(seed, &t.spec.name);
             let esize = t.spec.dtype.size_bytes().unwrap_or(1);
             let len = t.spec.byte_len();
             let mut done = 0u64;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use deltafin_storage::synth::{apply_overrides, preset_config, write_checkpoint};
+use deltafin_storage::synth::{apply_overrides, preset_config, write_checkpoint_as, SynthFormat};
 
 use crate::progress::Bar;
 use crate::util::{human, parse_size};
@@ -25,6 +25,11 @@ pub struct SynthArgs {
     pub sets: Vec<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Weight format, as shipped checkpoints store it: bf16; fp8 (DeepSeek-V3 block FP8, every
+    /// projection); int4 / mxfp4 (compressed-tensors, routed experts); q8 (routed experts).
+    /// Values are the bf16 synth of the same seed, quantized round-to-nearest.
+    #[arg(long, default_value = "bf16", value_name = "FORMAT")]
+    pub format: SynthFormat,
     /// Shard size (files are split like Hugging Face checkpoints, with an index).
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub shard_size: u64,
@@ -39,9 +44,10 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
     let mut cfg = preset_config(&a.arch, &a.preset)?;
     apply_overrides(&mut cfg, &a.sets)?;
     let t = Instant::now();
-    let s = write_checkpoint(
+    let s = write_checkpoint_as(
         &a.out,
         &cfg,
+        a.format,
         a.seed,
         a.shard_size,
         a.force,
