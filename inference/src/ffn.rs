@@ -46,7 +46,7 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     fn forward(&self, x: &[f32], n: usize, ctx: &mut FfnContext<'_>) -> Result<Vec<f32>>;
 
     /// The routed experts this module would request for input `x [n, hidden]` (already
-    /// normed), sorted and deduplicated; `None` when it routes nothing. Used to prefetch a
+    /// normed), deduplicated, likeliest first; `None` when it routes nothing. Used to prefetch a
     /// layer's experts from an earlier hidden state.
     fn predict_experts(&self, _x: &[f32], _n: usize) -> Option<Vec<usize>> {
         None
@@ -259,15 +259,20 @@ pub struct MoeFfn {
 
 impl FeedForward for MoeFfn {
     fn predict_experts(&self, x: &[f32], n: usize) -> Option<Vec<usize>> {
-        let mut e: Vec<usize> = self
-            .router
-            .route(x, n)
-            .into_iter()
-            .flat_map(|r| r.experts)
-            .collect();
-        e.sort_unstable();
-        e.dedup();
-        Some(e)
+        // Most likely first (chosen by more positions, then by a higher rank), so that when
+        // bandwidth is short the reads that land first are the likeliest to be used and the
+        // unlikely ones are still queued, and so cancellable, when the guess is checked.
+        let mut score: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+        for r in self.router.route(x, n) {
+            for (rank, e) in r.experts.into_iter().enumerate() {
+                let s = score.entry(e).or_insert((0, usize::MAX));
+                s.0 += 1;
+                s.1 = s.1.min(rank);
+            }
+        }
+        let mut e: Vec<(usize, (usize, usize))> = score.into_iter().collect();
+        e.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.1 .1.cmp(&b.1 .1)).then(a.0.cmp(&b.0)));
+        Some(e.into_iter().map(|(e, _)| e).collect())
     }
 
     fn forward(&self, x: &[f32], n: usize, ctx: &mut FfnContext<'_>) -> Result<Vec<f32>> {
