@@ -816,6 +816,7 @@ impl Measured {
             stall: p.stall + d.stall,
             peak_bytes: p.peak_bytes.max(d.peak_bytes),
             evictions: p.evictions + d.evictions,
+            prefetch_gated: p.prefetch_gated + d.prefetch_gated,
         }
     }
 
@@ -906,6 +907,7 @@ impl Measured {
             v["decode_expert_cache_hit_rate"] = d.hit_rate().into();
             v["prefetch_recall"] = f.prefetch_recall().into();
             v["prefetch_precision"] = f.prefetch_precision().into();
+            v["prefetch_gated"] = f.prefetch_gated.into();
             v["decode_prefetch_recall"] = d.prefetch_recall().into();
             v["decode_prefetch_precision"] = d.prefetch_precision().into();
             v["fetch"] = serde_json::json!({
