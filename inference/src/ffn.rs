@@ -271,7 +271,12 @@ impl FeedForward for MoeFfn {
             }
         }
         let mut e: Vec<(usize, (usize, usize))> = score.into_iter().collect();
-        e.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.1 .1.cmp(&b.1 .1)).then(a.0.cmp(&b.0)));
+        e.sort_by(|a, b| {
+            b.1 .0
+                .cmp(&a.1 .0)
+                .then(a.1 .1.cmp(&b.1 .1))
+                .then(a.0.cmp(&b.0))
+        });
         Some(e.into_iter().map(|(e, _)| e).collect())
     }
 
