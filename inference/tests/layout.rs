@@ -409,3 +409,74 @@ fn resident_read_errors_and_bad_paths() {
     let err = LayoutSource::open(Path::new("/nonexistent/layout"), &options()).unwrap_err();
     assert!(matches!(err, InferenceError::Storage(_)), "{err:?}");
 }
+
+/// Prefetch is gated on measured prediction precision: accurate predictions keep producing
+/// prefetch reads; once predictions keep missing, no more prefetch reads are issued, and good
+/// predictions turn it back on.
+#[test]
+fn prefetch_gate_follows_measured_precision() {
+    use deltafin_inference::WeightSource;
+    let (_tmp, dirs) = lay_out("deepseek_v3_a", Mode::Stripe, 2, 8192);
+    let src = LayoutSource::open(&dirs[0], &options()).unwrap();
+    // A small cache (8 of the 48 expert records) so reads keep happening.
+    src.set_expert_memory_cap(8 * 12288);
+    let mut sink = |_: usize, _: &deltafin_inference::ExpertView<'_>| Ok(());
+    let round = |src: &LayoutSource,
+                 predict: &[usize],
+                 actual: &[usize],
+                 sink: &mut dyn FnMut(
+        usize,
+        &deltafin_inference::ExpertView<'_>,
+    ) -> deltafin_inference::Result<()>| {
+        for layer in 1..4 {
+            src.prefetch(layer, predict);
+            src.with_experts(layer, actual, sink).unwrap();
+        }
+    };
+    for i in 0..6 {
+        let e = [i % 16, (i + 5) % 16];
+        round(&src, &e, &e, &mut sink);
+    }
+    let good = src.stats().fetch;
+    assert!(
+        good.prefetch_reads > 0 && good.prefetch_gated == 0,
+        "{good:?}"
+    );
+    for i in 0..12 {
+        round(
+            &src,
+            &[(i + 8) % 16, (i + 9) % 16],
+            &[i % 16, (i + 3) % 16],
+            &mut sink,
+        );
+    }
+    let bad = src.stats().fetch.since(&good);
+    assert!(
+        bad.prefetch_gated > 0,
+        "wrong predictions must close the gate: {bad:?}"
+    );
+    let before = src.stats().fetch;
+    for _ in 0..6 {
+        round(&src, &[0, 1], &[0, 1], &mut sink);
+    }
+    let after = src.stats().fetch.since(&before);
+    assert!(
+        after.prefetch_gated > 0,
+        "still gated until the average recovers: {after:?}"
+    );
+    for i in 0..30 {
+        let e = [(i * 3) % 16, (i * 3 + 1) % 16];
+        round(&src, &e, &e, &mut sink);
+    }
+    let reopened = src.stats().fetch;
+    let last = {
+        let e = [7, 9];
+        let b = src.stats().fetch;
+        round(&src, &e, &e, &mut sink);
+        src.stats().fetch.since(&b)
+    };
+    assert!(
+        last.prefetch_reads + last.prefetch_hits + last.cache_hits > 0 && last.prefetch_gated == 0,
+        "accurate predictions reopen the gate: {last:?} {reopened:?}"
+    );
+}
