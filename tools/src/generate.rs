@@ -18,7 +18,7 @@ use deltafin_storage::manifest::{Manifest, MANIFEST_FILE};
 use deltafin_storage::safetensors::{write_header, Dtype, TensorSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::util::{human, machine};
+use crate::util::{human, machine, parse_size};
 
 /// Where the weights come from and how a layout is read.
 #[derive(clap::Args, Debug, Clone)]
@@ -107,24 +107,6 @@ pub struct LogitsArgs {
     /// Output safetensors file: f32 `logits` [len, vocab].
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(format!("unknown size unit `{other}` in `{s}`")),
-    };
-    Ok((n * mult as f64) as u64)
 }
 
 /// What `--model` points at.
