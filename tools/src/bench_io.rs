@@ -30,6 +30,9 @@ pub struct BenchIoArgs {
     pub pattern: Pattern,
     #[arg(long, default_value_t = 10.0)]
     pub seconds: f64,
+    /// Ours and fio alternate in this many rounds (of seconds/rounds each, at least 1 s for fio).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
     /// Experts per batch (default: the model's num_experts_per_tok).
     #[arg(long)]
     pub k: Option<usize>,
@@ -145,14 +148,14 @@ fn run_sequential(engine: &Engine, dur: Duration) -> anyhow::Result<Measured> {
     })
 }
 
-/// fio with the same read size and total queue depth on the same files; returns bytes/s.
+/// fio with the same read size and total queue depth on the same files; returns (bytes, seconds, command).
 fn run_fio(
     files: &[PathBuf],
     bs: u64,
     jobs_per_file: usize,
     secs: f64,
     pattern: Pattern,
-) -> anyhow::Result<(f64, String)> {
+) -> anyhow::Result<(f64, f64, String)> {
     let mut cmd = Command::new("fio");
     cmd.args([
         "--output-format=json",
@@ -189,7 +192,7 @@ fn run_fio(
         bytes += j["read"]["io_bytes"].as_f64().unwrap_or(0.0);
         ms = f64::max(ms, j["read"]["runtime"].as_f64().unwrap_or(0.0));
     }
-    Ok((bytes / (ms / 1000.0).max(1e-9), line))
+    Ok((bytes, ms / 1000.0, line))
 }
 
 pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
@@ -221,29 +224,43 @@ pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
             .unwrap_or(8) as usize
     });
     let record_len = manifest.records[layers[0][0]].len;
-    let dur = Duration::from_secs_f64(a.seconds);
-    let m = match a.pattern {
-        Pattern::Expert => run_expert(&engine, &layers, k, a.batches_in_flight, dur, a.seed)?,
-        Pattern::Sequential => run_sequential(&engine, dur)?,
-    };
-    let stats = engine.stats();
-    drop(engine);
-    let ours = m.bytes as f64 / m.secs;
     let read_size = manifest
         .stripe_unit
         .min(deltafin_storage::stripe::align_up(record_len));
-    let fio = if a.no_fio || which("fio").is_none() {
-        None
-    } else {
-        let files: Vec<PathBuf> = dirs.iter().map(|d| d.join(DATA_FILE)).collect();
-        Some(run_fio(
-            &files,
-            read_size,
-            a.threads_per_drive,
-            a.seconds,
-            a.pattern,
-        )?)
+    // Ours and fio take turns in short rounds, so a drive whose speed drifts during the run
+    // (host-cached virtual disks, SSD caches filling) affects both sides alike.
+    let with_fio = !a.no_fio && which("fio").is_some();
+    let rounds = a.rounds.max(1);
+    let per_round = (a.seconds / rounds as f64).max(if with_fio { 1.0 } else { 0.1 });
+    let files: Vec<PathBuf> = dirs.iter().map(|d| d.join(DATA_FILE)).collect();
+    let mut m = Measured {
+        bytes: 0,
+        records: 0,
+        secs: 0.0,
     };
+    let (mut fio_bytes, mut fio_secs, mut fio_line) = (0.0, 0.0, String::new());
+    for r in 0..rounds {
+        let dur = Duration::from_secs_f64(per_round);
+        let seed = a.seed.wrapping_add(r as u64);
+        let mi = match a.pattern {
+            Pattern::Expert => run_expert(&engine, &layers, k, a.batches_in_flight, dur, seed)?,
+            Pattern::Sequential => run_sequential(&engine, dur)?,
+        };
+        m.bytes += mi.bytes;
+        m.records += mi.records;
+        m.secs += mi.secs;
+        if with_fio {
+            let (b, s, line) =
+                run_fio(&files, read_size, a.threads_per_drive, per_round, a.pattern)?;
+            fio_bytes += b;
+            fio_secs += s;
+            fio_line = line;
+        }
+    }
+    let stats = engine.stats();
+    drop(engine);
+    let ours = m.bytes as f64 / m.secs;
+    let fio = with_fio.then(|| (fio_bytes / fio_secs.max(1e-9), fio_line));
     let report = json!({
         "bench": "io",
         "pattern": format!("{:?}", a.pattern).to_lowercase(),
@@ -256,6 +273,7 @@ pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
         "batches_in_flight": a.batches_in_flight,
         "threads_per_drive": a.threads_per_drive,
         "seconds": m.secs,
+        "rounds": rounds,
         "bytes": m.bytes,
         "records": m.records,
         "gb_per_s": ours / 1e9,
