@@ -8,7 +8,7 @@ use crate::error::Result;
 use crate::ffn::{DenseMlp, ExpertShape, FeedForward, MoeFfn, NoauxTcRouter, SoftmaxTopKRouter};
 use crate::linear::QuantHints;
 use crate::loader::Loader;
-use crate::mixer::{GqaAttention, MlaAttention, QProj};
+use crate::mixer::{GqaAttention, MlaAttention, QProj, TokenMixer};
 use crate::model::{AddResidual, DecoderLayer, ModelParts};
 use crate::ops::Activation;
 use crate::rope::{yarn_get_mscale, Rope, RopeLayout};
@@ -52,6 +52,50 @@ fn embeddings_and_head(
         Some(ld.linear("lm_head", vocab, hidden, false)?)
     };
     Ok((embed, head))
+}
+
+/// One pre-norm decoder block: `input_layernorm`, the mixer, `post_attention_layernorm`, the FFN.
+fn decoder_layer(
+    ld: &Loader<'_>,
+    prefix: &str,
+    index: usize,
+    hidden: usize,
+    eps: f64,
+    mixer: Box<dyn TokenMixer>,
+    ffn: Box<dyn FeedForward>,
+) -> Result<DecoderLayer> {
+    Ok(DecoderLayer {
+        index,
+        input_layernorm: ld.norm(&format!("{prefix}.input_layernorm.weight"), hidden, eps)?,
+        mixer,
+        post_attention_layernorm: ld.norm(
+            &format!("{prefix}.post_attention_layernorm.weight"),
+            hidden,
+            eps,
+        )?,
+        ffn,
+    })
+}
+
+/// The parts around the decoder blocks: embeddings, final norm, lm_head, plain residual adds.
+fn model_parts(
+    ld: &Loader<'_>,
+    config: ModelConfig,
+    layers: Vec<DecoderLayer>,
+    vocab: usize,
+    hidden: usize,
+    tie: bool,
+    eps: f64,
+) -> Result<ModelParts> {
+    let (embed_tokens, lm_head) = embeddings_and_head(ld, vocab, hidden, tie)?;
+    Ok(ModelParts {
+        config,
+        embed_tokens,
+        layers,
+        norm: ld.norm("model.norm.weight", hidden, eps)?,
+        lm_head,
+        residual: Box::new(AddResidual),
+    })
 }
 
 /// The rope of DeepSeek-V3 MLA and the q.k softmax scale (with YaRN's mscale^2).
@@ -164,28 +208,25 @@ fn build_deepseek_v3(
                 &act,
             )?)
         };
-        layers.push(DecoderLayer {
-            index: l,
-            input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), hd, c.rms_norm_eps)?,
-            mixer: Box::new(mixer),
-            post_attention_layernorm: ld.norm(
-                &format!("{p}.post_attention_layernorm.weight"),
-                hd,
-                c.rms_norm_eps,
-            )?,
+        layers.push(decoder_layer(
+            &ld,
+            &p,
+            l,
+            hd,
+            c.rms_norm_eps,
+            Box::new(mixer),
             ffn,
-        });
+        )?);
     }
-    let (embed_tokens, lm_head) =
-        embeddings_and_head(&ld, c.vocab_size, hd, c.tie_word_embeddings)?;
-    Ok(ModelParts {
+    model_parts(
+        &ld,
         config,
-        embed_tokens,
         layers,
-        norm: ld.norm("model.norm.weight", hd, c.rms_norm_eps)?,
-        lm_head,
-        residual: Box::new(AddResidual),
-    })
+        c.vocab_size,
+        hd,
+        c.tie_word_embeddings,
+        c.rms_norm_eps,
+    )
 }
 
 /// The rope of Qwen3-MoE attention and the q.k scale.
@@ -247,26 +288,23 @@ fn build_qwen3_moe(c: &Qwen3MoeConfig, ld: Loader<'_>, config: ModelConfig) -> R
                 &act,
             )?)
         };
-        layers.push(DecoderLayer {
-            index: l,
-            input_layernorm: ld.norm(&format!("{p}.input_layernorm.weight"), hd, c.rms_norm_eps)?,
-            mixer: Box::new(mixer),
-            post_attention_layernorm: ld.norm(
-                &format!("{p}.post_attention_layernorm.weight"),
-                hd,
-                c.rms_norm_eps,
-            )?,
+        layers.push(decoder_layer(
+            &ld,
+            &p,
+            l,
+            hd,
+            c.rms_norm_eps,
+            Box::new(mixer),
             ffn,
-        });
+        )?);
     }
-    let (embed_tokens, lm_head) =
-        embeddings_and_head(&ld, c.vocab_size, hd, c.tie_word_embeddings)?;
-    Ok(ModelParts {
+    model_parts(
+        &ld,
         config,
-        embed_tokens,
         layers,
-        norm: ld.norm("model.norm.weight", hd, c.rms_norm_eps)?,
-        lm_head,
-        residual: Box::new(AddResidual),
-    })
+        c.vocab_size,
+        hd,
+        c.tie_word_embeddings,
+        c.rms_norm_eps,
+    )
 }
