@@ -560,6 +560,26 @@ impl Engine {
         Ok((rx, tickets))
     }
 
+    /// Fetch routed experts `experts` of decoder layer `layer` (each record's completion tag is
+    /// its record index; see [`Engine::record`]). Unknown experts are refused before anything
+    /// is queued.
+    pub fn fetch_experts(
+        &self,
+        layer: u32,
+        experts: &[u32],
+        lane: Lane,
+    ) -> Result<(Receiver<Completion>, Vec<Ticket>)> {
+        let indices = experts
+            .iter()
+            .map(|&expert| {
+                let id = RecordId::Expert { layer, expert };
+                self.record_index(&id)
+                    .ok_or_else(|| StorageError::UnknownRecord(id.to_string()))
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        self.fetch(&indices, lane)
+    }
+
     /// Read one record and wait for it.
     pub fn read_record(&self, index: usize, dest: Option<AlignedBuf>) -> Result<Loaded> {
         let (tx, rx) = bounded(1);

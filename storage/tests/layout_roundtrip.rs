@@ -513,3 +513,31 @@ fn replicate_reads_go_to_the_least_loaded_drive() {
         "the fast drive serves most: {skewed:?}"
     );
 }
+
+/// Experts are fetched by (layer, expert); an unknown expert is refused by name.
+#[test]
+fn fetch_by_layer_and_expert() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "qwen3_moe");
+    let ds = drives(tmp.path(), 2);
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 4096), &NoProgress).unwrap();
+    let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::All);
+    let (rx, tickets) = engine.fetch_experts(2, &[3, 9, 15], Lane::Demand).unwrap();
+    assert_eq!(tickets.len(), 3);
+    let mut got: Vec<RecordId> = rx
+        .iter()
+        .take(3)
+        .map(|c| engine.record(c.tag as usize).id.clone())
+        .collect();
+    got.sort();
+    let want: Vec<RecordId> = [3, 9, 15]
+        .iter()
+        .map(|&e| RecordId::Expert {
+            layer: 2,
+            expert: e,
+        })
+        .collect();
+    assert_eq!(got, want);
+    let err = engine.fetch_experts(2, &[3, 16], Lane::Demand).unwrap_err();
+    assert!(err.to_string().contains("layer 2 expert 16"), "{err}");
+}
