@@ -116,6 +116,8 @@ struct ResidentSet {
     records: Vec<ResidentRecord>,
     /// Full tensor name -> (position in `records`, tensor index within the record).
     by_name: HashMap<String, (usize, usize)>,
+    /// Records loaded (kept after the buffers are released).
+    count: usize,
     bytes: u64,
     load_time: Duration,
 }
@@ -819,7 +821,7 @@ impl LayoutSource {
     pub fn stats(&self) -> LayoutStats {
         let f = self.fetcher.stats();
         LayoutStats {
-            resident_records: self.resident.records.len(),
+            resident_records: self.resident.count,
             resident_bytes: self.resident.bytes,
             resident_load_time: self.resident.load_time,
             experts_fetched: f.reads,
@@ -925,6 +927,7 @@ fn load_resident(
         set.records.push(ResidentRecord { record: i, buf });
     }
     set.load_time = start.elapsed();
+    set.count = set.records.len();
     Ok(set)
 }
 
@@ -969,5 +972,11 @@ impl WeightSource for LayoutSource {
 
     fn has_tensor(&self, name: &str) -> bool {
         self.resident.by_name.contains_key(name)
+    }
+
+    fn release_resident(&mut self) {
+        // Keep the counters (bytes, load time) for the statistics; free the buffers.
+        self.resident.records = Vec::new();
+        self.resident.by_name = HashMap::new();
     }
 }

@@ -158,6 +158,8 @@ pub struct Model {
     residual: Box<dyn ResidualMixer>,
     /// Predict each next MoE layer's experts and ask the source to prefetch them.
     prefetch: AtomicBool,
+    /// Identity of the weights for snapshots, taken while the resident tensors were available.
+    weights_digest: [u8; 32],
 }
 
 impl std::fmt::Debug for dyn WeightSource {
@@ -185,8 +187,31 @@ impl Model {
         Ok(Model::from_parts(parts, source))
     }
 
+    /// Like [`Model::load`], but takes the source by value so that, once the model holds its
+    /// own copy of the resident weights, the source can drop its copy
+    /// ([`WeightSource::release_resident`]): resident weights are held once, not twice. Returns
+    /// the source too (shared with the model) for its statistics.
+    pub fn load_owned<S: WeightSource + 'static>(mut source: S) -> Result<(Model, Arc<S>)> {
+        let config = ModelConfig::from_json(source.config())?;
+        let parts = crate::arch::build(config, &source)?;
+        let digest = crate::snapshot::weights_digest(&source);
+        source.release_resident();
+        let source = Arc::new(source);
+        let shared: Arc<dyn WeightSource> = source.clone();
+        Ok((Model::assemble(parts, shared, digest), source))
+    }
+
     /// Assemble a model from prepared parts (custom architectures).
     pub fn from_parts(parts: ModelParts, source: Arc<dyn WeightSource>) -> Model {
+        let digest = crate::snapshot::weights_digest(&*source);
+        Model::assemble(parts, source, digest)
+    }
+
+    fn assemble(
+        parts: ModelParts,
+        source: Arc<dyn WeightSource>,
+        weights_digest: [u8; 32],
+    ) -> Model {
         let prefetch = AtomicBool::new(source.wants_prefetch());
         Model {
             id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
@@ -198,6 +223,7 @@ impl Model {
             lm_head: parts.lm_head,
             residual: parts.residual,
             prefetch,
+            weights_digest,
         }
     }
 
@@ -227,6 +253,12 @@ impl Model {
     }
     pub fn source(&self) -> &Arc<dyn WeightSource> {
         &self.source
+    }
+
+    /// blake3 of the config and samples of the embeddings, LM head and final norm, taken at load
+    /// ([`crate::snapshot::weights_digest`]); snapshots use it to recognise the model.
+    pub fn weights_digest(&self) -> &[u8; 32] {
+        &self.weights_digest
     }
     /// End-of-sequence ids from the config.
     pub fn eos_token_ids(&self) -> &[u32] {

@@ -69,10 +69,20 @@ pub type SnapshotResult<T> = std::result::Result<T, SnapshotError>;
 /// last 64 KiB of the embeddings, the LM head and the final norm (cheap even for huge models),
 /// and `extra` (e.g. the bytes of a layout's manifest, which hashes every record).
 pub fn model_hash(model: &Model, extra: &[u8]) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(model.weights_digest());
+    h.update(&(extra.len() as u64).to_le_bytes());
+    h.update(extra);
+    *h.finalize().as_bytes()
+}
+
+/// The weights part of [`model_hash`], computed when a model is loaded (while its source still
+/// holds the resident tensors).
+pub fn weights_digest(source: &dyn crate::weights::WeightSource) -> [u8; 32] {
     const SAMPLE: usize = 64 << 10;
     let mut h = blake3::Hasher::new();
     h.update(b"deltafin-model-hash-v1\0");
-    let cfg = serde_json::to_string(model.source().config()).unwrap_or_default();
+    let cfg = serde_json::to_string(source.config()).unwrap_or_default();
     h.update(&(cfg.len() as u64).to_le_bytes());
     h.update(cfg.as_bytes());
     for name in [
@@ -81,7 +91,7 @@ pub fn model_hash(model: &Model, extra: &[u8]) -> [u8; 32] {
         "model.norm.weight",
     ] {
         h.update(name.as_bytes());
-        match model.source().tensor(name) {
+        match source.tensor(name) {
             Ok(t) => {
                 h.update(format!("{:?}{:?}", t.dtype, t.shape).as_bytes());
                 h.update(&(t.bytes.len() as u64).to_le_bytes());
@@ -94,8 +104,6 @@ pub fn model_hash(model: &Model, extra: &[u8]) -> [u8; 32] {
             }
         }
     }
-    h.update(&(extra.len() as u64).to_le_bytes());
-    h.update(extra);
     *h.finalize().as_bytes()
 }
 

@@ -108,6 +108,11 @@ pub trait WeightSource: Send + Sync {
         false
     }
 
+    /// Drop the source's own copy of the resident tensors once a model has been built from
+    /// them (see [`crate::Model::load_owned`]); afterwards [`WeightSource::tensor`] may fail.
+    /// Needs `&mut self`, so no borrowed tensor can outlive it. The default keeps everything.
+    fn release_resident(&mut self) {}
+
     /// Whether a resident tensor exists. The default asks [`WeightSource::tensor`].
     fn has_tensor(&self, name: &str) -> bool {
         self.tensor(name).is_ok()

@@ -480,3 +480,27 @@ fn prefetch_gate_follows_measured_precision() {
         "accurate predictions reopen the gate: {last:?} {reopened:?}"
     );
 }
+
+/// `Model::load_owned` drops the layout's copy of the resident weights after building the model:
+/// the model still matches transformers, the source no longer serves resident tensors, and the
+/// snapshot identity equals that of a model loaded the ordinary way.
+#[test]
+fn load_owned_releases_the_resident_copy() {
+    for name in ["deepseek_v3_a", "qwen3_moe_a"] {
+        let (_tmp, dirs) = lay_out(name, Mode::Stripe, 2, 8192);
+        let r = Reference::open(&fixture_dir(name).join("reference.safetensors"));
+        let kept = Arc::new(LayoutSource::open(&dirs[0], &options()).unwrap());
+        let ordinary = Model::load(kept.clone()).unwrap();
+        assert!(kept.tensor("model.norm.weight").is_ok());
+
+        let src = LayoutSource::open(&dirs[0], &options()).unwrap();
+        let (model, src) = Model::load_owned(src).unwrap();
+        assert!(
+            src.tensor("model.norm.weight").is_err(),
+            "{name}: resident copy released"
+        );
+        assert!(src.stats().resident_records > 0);
+        check_model(&format!("{name} load_owned"), &model, &r);
+        assert_eq!(model.weights_digest(), ordinary.weights_digest(), "{name}");
+    }
+}

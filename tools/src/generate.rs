@@ -314,12 +314,18 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
         }
         None => None,
     };
-    let (source, layout): (Arc<dyn WeightSource>, Option<Arc<LayoutSource>>) = match &path {
+    /// A directory is loaded below; a layout is loaded as soon as it is open so that its copy
+    /// of the resident weights can be dropped.
+    enum Source {
+        Weights(Arc<dyn WeightSource>),
+        Built(Model),
+    }
+    let (source, layout): (Source, Option<Arc<LayoutSource>>) = match &path {
         ModelPath::Directory(d) => (
-            Arc::new(
+            Source::Weights(Arc::new(
                 DirSource::open(d)
                     .with_context(|| format!("opening model directory {}", d.display()))?,
-            ),
+            )),
             None,
         ),
         ModelPath::Layout(m) => {
@@ -350,16 +356,21 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
             })
             .with_context(|| format!("opening layout {}", m.display()));
             bar.finish_and_clear();
-            let src = Arc::new(src?);
+            let src = src?;
             if !src.engine().direct_io() {
                 eprintln!(
                     "note: a drive's filesystem refused O_DIRECT; reading through the page cache"
                 );
             }
-            (src.clone(), Some(src))
+            // The model keeps its own copy of the resident weights; the layout's is dropped.
+            let (model, src) = Model::load_owned(src).context("loading the model")?;
+            (Source::Built(model), Some(src))
         }
     };
-    let model = Model::load(source).context("loading the model")?;
+    let model = match source {
+        Source::Built(m) => m,
+        Source::Weights(w) => Model::load(w).context("loading the model")?,
+    };
     if args.no_prefetch {
         model.set_next_layer_prefetch(false);
     }
