@@ -318,7 +318,7 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
     /// of the resident weights can be dropped.
     enum Source {
         Weights(Arc<dyn WeightSource>),
-        Built(Model),
+        Built(Box<Model>),
     }
     let (source, layout): (Source, Option<Arc<LayoutSource>>) = match &path {
         ModelPath::Directory(d) => (
@@ -364,11 +364,11 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
             }
             // The model keeps its own copy of the resident weights; the layout's is dropped.
             let (model, src) = Model::load_owned(src).context("loading the model")?;
-            (Source::Built(model), Some(src))
+            (Source::Built(Box::new(model)), Some(src))
         }
     };
     let model = match source {
-        Source::Built(m) => m,
+        Source::Built(m) => *m,
         Source::Weights(w) => Model::load(w).context("loading the model")?,
     };
     if args.no_prefetch {
