@@ -156,10 +156,11 @@ fn integer(name: &str) -> bool {
     matches!(name, "int4" | "int4g64" | "mxfp4" | "q8")
 }
 
-/// (rows, cols): SIMD-shaped, FP8 partial blocks (320 = 2.5 x 128), and non-multiple-of-32
+/// (rows, cols): SIMD-shaped, FP8 partial blocks (320 = 2.5 x 128), long rows, and non-multiple-of-32
 /// columns (scalar fallback on every ISA).
 fn shapes(name: &str) -> Vec<(usize, usize)> {
-    let mut s = vec![(37, 256), (130, 320)];
+    // (9, 4608): an input longer than 16 KiB, which takes the four-row matrix-vector tile.
+    let mut s = vec![(37, 256), (130, 320), (9, 4608)];
     if !integer(name) {
         s.push((5, 72));
     }

@@ -367,7 +367,42 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
                 .collect();
         }
         let per_row = scales.len() / nr;
-        for (i, orow) in o.chunks_mut(n).enumerate() {
+        let mut first = 0;
+        // Matrix-vector products on AVX2 with a long `x` (over half of a 32 KiB L1 data cache):
+        // four rows at a time share each load of `x` instead of re-reading it from L2 per row.
+        // With a short `x` the single-row tile (four accumulators) measured faster
+        // (benches/results/kernels_idle_rows4_all_shapes.json vs kernels_idle.json).
+        #[cfg(target_arch = "x86_64")]
+        if n == 1
+            && cols * 4 > 16 << 10
+            && isa == Isa::Avx2
+            && kind.simd_shape(cols)
+            && matches!(xin, Inputs::F32(_))
+        {
+            if let Inputs::F32(xf) = &xin {
+                while first + 4 <= nr {
+                    let r = r0 + first;
+                    let row = |k: usize| &data[(r + k) * rb..(r + k + 1) * rb];
+                    let sc = |k: usize| &scales[(first + k) * per_row..(first + k + 1) * per_row];
+                    // SAFETY: `Isa::Avx2` is only selected when AVX2, FMA and F16C were
+                    // detected; `simd_shape` holds; each row is `row_bytes(cols)` long, each
+                    // scale slice covers the row's groups, `x` is `cols` long (n == 1, checked
+                    // by `matmul`) and `o[first..first + 4]` holds the four outputs.
+                    unsafe {
+                        x86::rows4_f32(
+                            kind,
+                            [row(0), row(1), row(2), row(3)],
+                            [sc(0), sc(1), sc(2), sc(3)],
+                            xf,
+                            cols,
+                            &mut o[first..first + 4],
+                        )
+                    };
+                    first += 4;
+                }
+            }
+        }
+        for (i, orow) in o.chunks_mut(n).enumerate().skip(first) {
             let r = r0 + i;
             row_dot(
                 isa,

@@ -65,7 +65,67 @@ fn mxfp4_lut() -> __m128i {
 
 /// f32-activation tile: `out[t] = sum_c w[c] * x[t*cols + c]` for `t < N`.
 macro_rules! f32_tile {
-    ($name:ident, $scaled:expr, |$p:ident, $c:ident| $decode:expr) => {
+    ($name:ident, $rows_name:ident, $scaled:expr, |$p:ident, $c:ident| $decode:expr) => {
+        /// One input against `R` rows: each 32-value slice of `x` is loaded once for all `R`
+        /// rows (a long `x` no longer has to be re-read from L2 for every row).
+        ///
+        /// # Safety
+        /// As for the single-row tile, for each of the `R` rows (`rows[r]` a whole row,
+        /// `scales[r]` its scales), `x` holding `cols` values and `out` `R`.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn $rows_name<const R: usize>(
+            rows: [&[u8]; R],
+            scales: [&[f32]; R],
+            smul: f32,
+            group: usize,
+            x: &[f32],
+            cols: usize,
+            out: &mut [f32],
+        ) {
+            let xp = x.as_ptr();
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            let mut c = 0usize;
+            for gi in 0..cols.div_ceil(group) {
+                let sv: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(scales[r][gi] * smul));
+                let end = (c + group).min(cols);
+                while c < end {
+                    // SAFETY: `c + 32 <= cols`, so the input loads read inside `x` and each
+                    // row's decode reads inside that row (see the single-row tile).
+                    unsafe {
+                        let xv = [
+                            _mm256_loadu_ps(xp.add(c)),
+                            _mm256_loadu_ps(xp.add(c + 8)),
+                            _mm256_loadu_ps(xp.add(c + 16)),
+                            _mm256_loadu_ps(xp.add(c + 24)),
+                        ];
+                        for r in 0..R {
+                            let $p = rows[r].as_ptr();
+                            let $c = c;
+                            let w: [__m256; 4] = $decode;
+                            let w = if $scaled {
+                                [
+                                    _mm256_mul_ps(w[0], sv[r]),
+                                    _mm256_mul_ps(w[1], sv[r]),
+                                    _mm256_mul_ps(w[2], sv[r]),
+                                    _mm256_mul_ps(w[3], sv[r]),
+                                ]
+                            } else {
+                                w
+                            };
+                            acc[r][0] = _mm256_fmadd_ps(w[0], xv[0], acc[r][0]);
+                            acc[r][1] = _mm256_fmadd_ps(w[1], xv[1], acc[r][1]);
+                            acc[r][0] = _mm256_fmadd_ps(w[2], xv[2], acc[r][0]);
+                            acc[r][1] = _mm256_fmadd_ps(w[3], xv[3], acc[r][1]);
+                        }
+                    }
+                    c += BLOCK;
+                }
+            }
+            for (o, a) in out.iter_mut().zip(&acc) {
+                *o = hsum(_mm256_add_ps(a[0], a[1]));
+            }
+        }
+
         /// # Safety
         /// AVX2, FMA and F16C available; `cols` and `group` multiples of 32; `row` holds a whole
         /// row of `cols` values, `scales` `cols.div_ceil(group)` values, `x` `N * cols`, `out` `N`.
@@ -124,7 +184,7 @@ macro_rules! f32_tile {
     };
 }
 
-f32_tile!(f32_f32, false, |p, c| {
+f32_tile!(f32_f32, rows_f32, false, |p, c| {
     let q = p.add(4 * c) as *const f32;
     [
         _mm256_loadu_ps(q),
@@ -134,7 +194,7 @@ f32_tile!(f32_f32, false, |p, c| {
     ]
 });
 
-f32_tile!(f32_bf16, false, |p, c| {
+f32_tile!(f32_bf16, rows_bf16, false, |p, c| {
     let q = p.add(2 * c);
     let cvt = |o: usize| {
         _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -145,13 +205,13 @@ f32_tile!(f32_bf16, false, |p, c| {
     [cvt(0), cvt(16), cvt(32), cvt(48)]
 });
 
-f32_tile!(f32_f16, false, |p, c| {
+f32_tile!(f32_f16, rows_f16, false, |p, c| {
     let q = p.add(2 * c);
     let cvt = |o: usize| _mm256_cvtph_ps(_mm_loadu_si128(q.add(o) as *const __m128i));
     [cvt(0), cvt(16), cvt(32), cvt(48)]
 });
 
-f32_tile!(f32_fp8, true, |p, c| {
+f32_tile!(f32_fp8, rows_fp8, true, |p, c| {
     // e4m3 -> f16 bits: put each byte in the high half of a 16-bit lane (sign at bit 15),
     // shift right arithmetically by one (exponent and mantissa land on f16's low exponent bits
     // and high mantissa bits; the sign is copied into bit 14) and clear bit 14. The f16 value
@@ -170,21 +230,21 @@ f32_tile!(f32_fp8, true, |p, c| {
     ]
 });
 
-f32_tile!(f32_int4, true, |p, c| {
+f32_tile!(f32_int4, rows_int4, true, |p, c| {
     let (e0, e1) = nibbles_in_order(_mm_loadu_si128(p.add(c / 2) as *const __m128i), int4_lut());
     let (a, b) = i8x16_to_f32(e0);
     let (c2, d) = i8x16_to_f32(e1);
     [a, b, c2, d]
 });
 
-f32_tile!(f32_mxfp4, true, |p, c| {
+f32_tile!(f32_mxfp4, rows_mxfp4, true, |p, c| {
     let (e0, e1) = nibbles_in_order(_mm_loadu_si128(p.add(c / 2) as *const __m128i), mxfp4_lut());
     let (a, b) = i8x16_to_f32(e0);
     let (c2, d) = i8x16_to_f32(e1);
     [a, b, c2, d]
 });
 
-f32_tile!(f32_q8, true, |p, c| {
+f32_tile!(f32_q8, rows_q8, true, |p, c| {
     let q = p.add(c);
     let cvt = |o: usize| {
         _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -242,6 +302,40 @@ pub unsafe fn row_f32(
             Kind::Q8 { .. } => go!(f32_q8, 1.0),
         }
         t += take;
+    }
+}
+
+/// Four rows against one input (matrix-vector products): `out[r] = dot(rows[r], x)`.
+///
+/// # Safety
+/// As for [`row_f32`] with `n == 1`, for each of the four rows and their scales; `out` holds 4.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows4_f32(
+    kind: Kind,
+    rows: [&[u8]; 4],
+    scales: [&[f32]; 4],
+    x: &[f32],
+    cols: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_bytes(cols)));
+    debug_assert!(x.len() >= cols && out.len() >= 4);
+    let group = kind.group(cols);
+    debug_assert!(scales.iter().all(|s| s.len() >= cols.div_ceil(group)));
+    macro_rules! go {
+        ($f:ident, $smul:expr) => {
+            // SAFETY: the caller's contract is the tile's contract.
+            unsafe { $f::<4>(rows, scales, $smul, group, x, cols, out) }
+        };
+    }
+    match kind {
+        Kind::F32 => go!(rows_f32, 1.0),
+        Kind::Bf16 => go!(rows_bf16, 1.0),
+        Kind::F16 => go!(rows_f16, 1.0),
+        Kind::Fp8 { .. } => go!(rows_fp8, 256.0),
+        Kind::Int4 { .. } => go!(rows_int4, 1.0),
+        Kind::Mxfp4 { .. } => go!(rows_mxfp4, 0.5),
+        Kind::Q8 { .. } => go!(rows_q8, 1.0),
     }
 }
 
