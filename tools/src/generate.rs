@@ -18,7 +18,7 @@ use deltafin_storage::manifest::{Manifest, MANIFEST_FILE};
 use deltafin_storage::safetensors::{write_header, Dtype, TensorSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::util::{human, machine, parse_size};
+use crate::util::{drive_stats_json, human, machine, parse_size};
 
 /// Where the weights come from and how a layout is read.
 #[derive(clap::Args, Debug, Clone)]
@@ -428,23 +428,7 @@ fn source_json(l: &Loaded) -> serde_json::Value {
             "resident_load_s".into(),
             s.resident_load_time.as_secs_f64().into(),
         );
-        v.insert(
-            "drive_stats".into(),
-            s.drives
-                .iter()
-                .enumerate()
-                .map(|(i, d)| {
-                    serde_json::json!({
-                        "drive": i,
-                        "bytes_read": d.bytes_read,
-                        "reads": d.reads,
-                        "busy_s": d.busy.as_secs_f64(),
-                        "direct_io": d.direct_io,
-                    })
-                })
-                .collect::<Vec<_>>()
-                .into(),
-        );
+        v.insert("drive_stats".into(), drive_stats_json(&s.drives));
     } else {
         v.insert("bytes_read".into(), serde_json::Value::Null);
     }
@@ -919,21 +903,7 @@ impl Measured {
                 .map(|r| r.len)
                 .sum::<u64>()
                 .into();
-            v["drive_stats"] = self
-                .drives
-                .iter()
-                .enumerate()
-                .map(|(i, d)| {
-                    serde_json::json!({
-                        "drive": i,
-                        "bytes_read": d.bytes_read,
-                        "reads": d.reads,
-                        "busy_s": d.busy.as_secs_f64(),
-                        "direct_io": d.direct_io,
-                    })
-                })
-                .collect::<Vec<_>>()
-                .into();
+            v["drive_stats"] = drive_stats_json(&self.drives);
         }
         v
     }

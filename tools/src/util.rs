@@ -63,6 +63,24 @@ pub fn open_engine(
     Ok((manifest, dirs, engine))
 }
 
+/// Per-drive counters as report JSON.
+pub fn drive_stats_json(drives: &[deltafin_storage::engine::DriveStats]) -> serde_json::Value {
+    drives
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            serde_json::json!({
+                "drive": i,
+                "bytes_read": d.bytes_read,
+                "reads": d.reads,
+                "busy_s": d.busy.as_secs_f64(),
+                "direct_io": d.direct_io,
+            })
+        })
+        .collect::<Vec<_>>()
+        .into()
+}
+
 /// Facts about this machine for reports.
 pub fn machine() -> serde_json::Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
