@@ -7,6 +7,9 @@
 //!   matrices (experts) totalling >= 384 MiB of weights, so every iteration streams its weights
 //!   from DRAM, not from the 32 MiB L3. Throughput = weight + scale bytes consumed per second.
 //! - `matmul8/...`: the same with 8 inputs per pass (prefill / speculative verification).
+//! - `<act>`: `F32`, `I8` or `I16` activations (`kernels::model_act` says which the model runs:
+//!   `I16` for INT4/MXFP4/Q8 on AVX-512 VNNI machines, `F32` otherwise).
+//!   `DELTAFIN_KERNELS=avx2` benches the AVX2 kernels on an AVX-512 machine.
 //!
 //! `DELTAFIN_BENCH_FORMATS=int4,mxfp4` benches only those formats; `DELTAFIN_BENCH_QUICK=1` shrinks the rings and sample counts (smoke run).
 
@@ -151,11 +154,26 @@ fn membw(c: &mut Criterion) {
 }
 
 fn formats(c: &mut Criterion) {
-    let shapes: &[(usize, usize)] = &[(2048, 7168), (7168, 2048)];
-    let ring_bytes: usize = if quick() { 64 << 20 } else { 384 << 20 };
+    // DELTAFIN_BENCH_SHAPES=256x7168,... overrides the expert shapes.
+    let shapes: Vec<(usize, usize)> = match std::env::var("DELTAFIN_BENCH_SHAPES") {
+        Ok(v) => v
+            .split(',')
+            .map(|s| {
+                let (r, c) = s.split_once('x').expect("DELTAFIN_BENCH_SHAPES: RxC,...");
+                (r.parse().expect("rows"), c.parse().expect("cols"))
+            })
+            .collect(),
+        Err(_) => vec![(2048, 7168), (7168, 2048)],
+    };
+    // DELTAFIN_BENCH_RING_KIB=512 keeps the weights in cache: the kernels' compute ceiling.
+    let ring_bytes: usize = match std::env::var("DELTAFIN_BENCH_RING_KIB") {
+        Ok(k) => k.parse::<usize>().expect("DELTAFIN_BENCH_RING_KIB: KiB") << 10,
+        Err(_) if quick() => 64 << 20,
+        Err(_) => 384 << 20,
+    };
     let isa = Isa::detect();
     eprintln!("kernels: {isa:?}, {} threads", threads_all());
-    for &(rows, cols) in shapes {
+    for &(rows, cols) in &shapes {
         for name in ["bf16", "fp8", "q8", "int4", "mxfp4"] {
             // DELTAFIN_BENCH_FORMATS=int4,mxfp4 skips building the other rings.
             if std::env::var("DELTAFIN_BENCH_FORMATS")
@@ -180,7 +198,7 @@ fn formats(c: &mut Criterion) {
             let x: Vec<f32> = (0..cols * 8).map(|i| pseudo(i + 7) * 20.0).collect();
             let mut out = vec![0f32; rows * 8];
             let acts: &[Act] = if matches!(name, "q8" | "int4" | "mxfp4") {
-                &[Act::F32, Act::I8]
+                &[Act::F32, Act::I8, Act::I16]
             } else {
                 &[Act::F32]
             };

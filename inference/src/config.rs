@@ -405,7 +405,7 @@ impl DeepseekV3Config {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.n_routed_experts > 0
             && layer >= self.first_k_dense_replace
-            && layer % self.moe_layer_freq.max(1) == 0
+            && layer.is_multiple_of(self.moe_layer_freq.max(1))
     }
 
     fn validate(&self) -> CResult<()> {
@@ -419,7 +419,7 @@ impl DeepseekV3Config {
             ("v_head_dim", self.v_head_dim),
             ("moe_layer_freq", self.moe_layer_freq),
         ])?;
-        if self.qk_rope_head_dim % 2 != 0 {
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
             return Err(ConfigError::invalid("qk_rope_head_dim", "must be even"));
         }
         if self.qk_head_dim() == 0 {
@@ -438,7 +438,7 @@ impl DeepseekV3Config {
                 ("n_group", self.n_group),
                 ("topk_group", self.topk_group),
             ])?;
-            if self.n_routed_experts % self.n_group != 0 {
+            if !self.n_routed_experts.is_multiple_of(self.n_group) {
                 return Err(ConfigError::invalid(
                     "n_group",
                     format!(
@@ -573,7 +573,7 @@ impl Qwen3MoeConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.num_experts > 0
             && !self.mlp_only_layers.contains(&layer)
-            && (layer + 1) % self.decoder_sparse_step == 0
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
     fn validate(&self) -> CResult<()> {
@@ -585,7 +585,10 @@ impl Qwen3MoeConfig {
             ("head_dim", self.head_dim),
             ("decoder_sparse_step", self.decoder_sparse_step),
         ])?;
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return Err(ConfigError::invalid(
                 "num_key_value_heads",
                 format!(
@@ -594,7 +597,7 @@ impl Qwen3MoeConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(ConfigError::invalid("head_dim", "must be even for RoPE"));
         }
         if self.num_experts > 0 {

@@ -254,7 +254,7 @@ impl<'a> WeightMatrix<'a> {
                 block_rows,
                 block_cols,
             } => {
-                if start % block_rows != 0 {
+                if !start.is_multiple_of(block_rows) {
                     return Err(format!(
                         "FP8 row split at {start} is not on a {block_rows}-row block"
                     ));
@@ -339,10 +339,12 @@ impl<'a> WeightMatrix<'a> {
     }
 
     /// `out[t, r] = dot(W[r], x[t])` for `n` inputs: `x` is `[n, cols]`, `out` is `[n, rows]`.
-    /// Each weight row is decoded once per pair of inputs, in registers, by the best kernels
-    /// this CPU runs ([`crate::kernels`]), with f32 activations.
+    /// Each weight row is decoded once per tile of inputs, in registers, by the best kernels
+    /// this CPU runs ([`crate::kernels`]), with the activation precision
+    /// [`crate::kernels::model_act`] picks for the format.
     pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        crate::kernels::matmul(self, x, n, out, crate::kernels::Act::F32)
+        let act = crate::kernels::model_act(crate::kernels::Kind::of(self.format));
+        crate::kernels::matmul(self, x, n, out, act)
     }
 }
 
@@ -518,7 +520,7 @@ pub(crate) fn resolve_matrix<'a>(
         let n_groups = s.shape[1] as usize;
         let group = match hints.group_size {
             Some(g) => g,
-            None if cols % n_groups == 0 => cols / n_groups,
+            None if cols.is_multiple_of(n_groups) => cols / n_groups,
             None => {
                 return Err(bad(
                     sname,

@@ -40,7 +40,7 @@ impl Rope {
         max_position_embeddings: usize,
         layout: RopeLayout,
     ) -> Result<Rope> {
-        if dim == 0 || dim % 2 != 0 {
+        if dim == 0 || !dim.is_multiple_of(2) {
             return Err(ConfigError::invalid(
                 "rope dim",
                 format!("rotary dimension {dim} must be even and > 0"),

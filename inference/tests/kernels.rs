@@ -10,6 +10,8 @@
 //!   (each input moves by at most half a step, amax/254, when rounded to int8).
 //! - int8 activations, SIMD vs reference: |err| <= 1e-5 * S (identical integer sums, f32
 //!   order).
+//! - 16-bit activations (two int8 planes), reference vs f64 math: as int8 with amax / 32512
+//!   (127 * 256) per unit of |w| instead of amax / 254; SIMD vs reference as int8.
 
 use deltafin_inference::kernels::{self, quant, Act, Isa};
 use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
@@ -160,7 +162,13 @@ fn integer(name: &str) -> bool {
 /// columns (scalar fallback on every ISA).
 fn shapes(name: &str) -> Vec<(usize, usize)> {
     // (9, 4608): an input longer than 16 KiB, which takes the four-row matrix-vector tile.
+    // (7, 96) and (5, 224): 3 and 7 32-blocks (the AVX-512 integer kernels' pair and
+    // single-block tails after runs of four).
     let mut s = vec![(37, 256), (130, 320), (9, 4608)];
+    if name != "int4g64" {
+        s.push((7, 96));
+        s.push((5, 224));
+    }
     if !integer(name) {
         s.push((5, 72));
     }
@@ -182,7 +190,7 @@ fn run(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, act: Act) -> Vec<f32
 }
 
 fn simd_isas() -> Vec<Isa> {
-    [Isa::Avx2, Isa::Neon]
+    [Isa::Avx512, Isa::Avx2, Isa::Neon]
         .into_iter()
         .filter(|i| i.available())
         .collect()
@@ -197,8 +205,8 @@ fn reference_matches_f64_math() {
             let w = m.to_f32();
             for n in [1, 3, 16] {
                 let x = inputs(n, cols, 2);
-                for act in [Act::F32, Act::I8] {
-                    if act == Act::I8 && !integer(name) {
+                for act in [Act::F32, Act::I8, Act::I16] {
+                    if act != Act::F32 && !integer(name) {
                         continue;
                     }
                     let got = run(Isa::Scalar, &m, &x, n, act);
@@ -214,14 +222,15 @@ fn reference_matches_f64_math() {
                                 .map(|(&a, &b)| (a as f64 * b as f64).abs())
                                 .sum();
                             let mut budget = 1e-5 * s + 1e-30;
-                            if act == Act::I8 {
+                            if act != Act::F32 {
+                                let step = if act == Act::I8 { 254.0 } else { 32512.0 };
                                 budget += wr
                                     .chunks(32)
                                     .zip(xt.chunks(32))
                                     .map(|(wb, xb)| {
                                         let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
                                         wb.iter().map(|v| v.abs() as f64).sum::<f64>() * amax as f64
-                                            / 254.0
+                                            / step
                                             * 1.0001
                                     })
                                     .sum::<f64>();
@@ -251,8 +260,8 @@ fn simd_matches_reference() {
                 let w = m.to_f32();
                 for n in [1, 2, 3, 4, 5, 8, 16] {
                     let x = inputs(n, cols, 4 + n as u64);
-                    for act in [Act::F32, Act::I8] {
-                        if act == Act::I8 && !integer(name) {
+                    for act in [Act::F32, Act::I8, Act::I16] {
+                        if act != Act::F32 && !integer(name) {
                             continue;
                         }
                         let want = run(Isa::Scalar, &m, &x, n, act);
@@ -286,15 +295,17 @@ fn matvec_equals_matmul_row() {
         let mat = make(name, 64, 256, 5);
         let m = mat.view();
         let x = inputs(4, 256, 6);
-        let all = run(Isa::detect(), &m, &x, 4, Act::F32);
-        for t in 0..4 {
-            let one = run(Isa::detect(), &m, &x[t * 256..(t + 1) * 256], 1, Act::F32);
-            for r in 0..64 {
-                let (a, b) = (one[r], all[t * 64 + r]);
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "{name} t={t} r={r}"
-                );
+        for act in [Act::F32, Act::I16] {
+            let all = run(Isa::detect(), &m, &x, 4, act);
+            for t in 0..4 {
+                let one = run(Isa::detect(), &m, &x[t * 256..(t + 1) * 256], 1, act);
+                for r in 0..64 {
+                    let (a, b) = (one[r], all[t * 64 + r]);
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{name} {act:?} t={t} r={r}"
+                    );
+                }
             }
         }
     }

@@ -442,9 +442,10 @@ impl Engine {
                 let check = match sh.hash_check {
                     HashCheck::Off => false,
                     HashCheck::All => true,
-                    HashCheck::Sampled(n) => {
-                        sh.completed.fetch_add(1, Ordering::Relaxed) % u64::from(n) == 0
-                    }
+                    HashCheck::Sampled(n) => sh
+                        .completed
+                        .fetch_add(1, Ordering::Relaxed)
+                        .is_multiple_of(u64::from(n)),
                 };
                 let mut pieces = placement.pieces(r.offset, align_up(r.len));
                 if placement.mode == Mode::Replicate {

@@ -141,7 +141,7 @@ impl QuantError {
 fn check(w: &[f32], rows: usize, cols: usize, group: usize) {
     assert_eq!(w.len(), rows * cols, "quantize: matrix length");
     assert!(
-        group > 0 && cols % group == 0 && group % 2 == 0,
+        group > 0 && cols.is_multiple_of(group) && group.is_multiple_of(2),
         "quantize: group {group} must divide cols {cols}"
     );
 }
@@ -340,7 +340,7 @@ pub fn expert_only_ignore() -> Value {
 impl ExpertFormat {
     /// Whether a `[rows, cols]` matrix can be stored in this format.
     pub fn fits(self, cols: u64) -> bool {
-        cols > 0 && cols % GROUP as u64 == 0
+        cols > 0 && cols.is_multiple_of(GROUP as u64)
     }
 
     /// The tensors `{prefix}.weight` `[rows, cols]` becomes, in the shipped naming.

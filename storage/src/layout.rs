@@ -341,7 +341,7 @@ impl LogicalWriter<'_> {
                 self.send(d, base + within, shared.clone())?;
             }
             self.pos += take as u64;
-            if self.pos % self.placement.unit == 0 {
+            if self.pos.is_multiple_of(self.placement.unit) {
                 self.close_unit();
             }
             self.progress.advance(take as u64);
@@ -383,7 +383,7 @@ impl LogicalWriter<'_> {
     }
 
     fn finish(mut self) -> Result<Vec<u8>> {
-        if self.pos % self.placement.unit != 0 {
+        if !self.pos.is_multiple_of(self.placement.unit) {
             self.close_unit();
         }
         let mut first_err = None;

@@ -65,7 +65,7 @@ impl Placement {
         if drives == 0 {
             return Err("a layout needs at least one drive".into());
         }
-        if unit == 0 || unit % ALIGN != 0 {
+        if unit == 0 || !unit.is_multiple_of(ALIGN) {
             return Err(format!(
                 "stripe unit {unit} must be a positive multiple of {ALIGN}"
             ));

@@ -14,7 +14,17 @@
 //! - [`Act::I8`]: for the integer formats (INT4, MXFP4, Q8), inputs are quantized on the fly to
 //!   int8 per 32-value block (absmax / 127, like llama.cpp's Q8_0) and the dot products run in
 //!   integer arithmetic (`vpmaddubsw`/`vpmaddwd`), scaled per block. Relative error stays within
-//!   about 1% of the output's norm; other formats ignore it and run in f32.
+//!   about 1% of the output's norm; other formats ignore it and run in f32. Too coarse for the
+//!   fixtures' 1e-3 tolerance (measured 5.9e-3 on `deepseek_v3_int4`), so the model never uses it.
+//! - [`Act::I16`]: the integer formats again, inputs quantized to 16 bits per 32-value block and
+//!   held as two int8 planes (`x ~ d * (256 * hi + lo)`), so one AVX-512 VNNI `vpdpbusd` per
+//!   plane does 64 multiply-adds. About 256x finer than `I8` (half a step is amax / 65024) and,
+//!   with VNNI, as fast as the memory system; [`model_act`] picks it for the integer formats
+//!   when the AVX-512 kernels run.
+//!
+//! [`Isa::Avx512`] (AVX-512 F/BW/VL/VNNI) has its own kernels for the f32 path of the 16-bit and
+//! FP8 formats and for [`Act::I16`]; for the rest it runs the AVX2 kernels (an AVX-512 machine
+//! has AVX2).
 
 use std::sync::OnceLock;
 
@@ -28,6 +38,8 @@ pub mod quant;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512;
 
 /// Columns per activation-quantization block and per SIMD step of the packed formats.
 pub const BLOCK: usize = 32;
@@ -39,6 +51,8 @@ pub enum Isa {
     Scalar,
     /// x86_64 AVX2 + FMA + F16C.
     Avx2,
+    /// x86_64 AVX-512 F/BW/VL/VNNI on top of [`Isa::Avx2`].
+    Avx512,
     /// aarch64 Advanced SIMD.
     Neon,
 }
@@ -54,6 +68,14 @@ impl Isa {
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
@@ -61,18 +83,26 @@ impl Isa {
         }
     }
 
-    /// The best available instruction set; `DELTAFIN_KERNELS=scalar` forces the reference.
+    /// The best available instruction set; `DELTAFIN_KERNELS=scalar|avx2` caps it (the
+    /// reference, or AVX2 on an AVX-512 machine).
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
-            if std::env::var("DELTAFIN_KERNELS").is_ok_and(|v| v == "scalar") {
+            let cap = std::env::var("DELTAFIN_KERNELS").unwrap_or_default();
+            if cap == "scalar" {
                 return Isa::Scalar;
             }
-            [Isa::Avx2, Isa::Neon]
+            [Isa::Avx512, Isa::Avx2, Isa::Neon]
                 .into_iter()
+                .filter(|&i| !(cap == "avx2" && i == Isa::Avx512))
                 .find(|i| i.available())
                 .unwrap_or(Isa::Scalar)
         })
+    }
+
+    /// Whether the AVX2 kernels run on this ISA (AVX-512 machines run them too).
+    fn has_avx2(self) -> bool {
+        matches!(self, Isa::Avx2 | Isa::Avx512)
     }
 }
 
@@ -82,6 +112,23 @@ pub enum Act {
     F32,
     /// int8 per 32-value block (INT4 / MXFP4 / Q8 weights only; others run in f32).
     I8,
+    /// 16 bits per 32-value block as two int8 planes (INT4 / MXFP4 / Q8 only).
+    I16,
+}
+
+/// The activation precision the model runs `kind` with: [`Act::I16`] for the integer formats
+/// where the AVX-512 VNNI kernels run (within the fixtures' tolerance, and at memory speed),
+/// f32 everywhere else. `DELTAFIN_ACTIVATIONS=f32` forces f32.
+pub fn model_act(kind: Kind) -> Act {
+    static FORCE_F32: OnceLock<bool> = OnceLock::new();
+    let force = *FORCE_F32.get_or_init(|| {
+        std::env::var("DELTAFIN_ACTIVATIONS").is_ok_and(|v| v.eq_ignore_ascii_case("f32"))
+    });
+    if !force && kind.integer() && Isa::detect() == Isa::Avx512 {
+        Act::I16
+    } else {
+        Act::F32
+    }
 }
 
 /// The per-row view of a format the kernels take: row bytes plus f32 scales.
@@ -152,7 +199,7 @@ impl Kind {
     /// Whether the SIMD kernels handle this shape (whole 32-column steps inside each group);
     /// other shapes run the scalar reference.
     pub fn simd_shape(self, cols: usize) -> bool {
-        cols % BLOCK == 0 && self.group(cols) % BLOCK == 0
+        cols.is_multiple_of(BLOCK) && self.group(cols).is_multiple_of(BLOCK)
     }
 }
 
@@ -164,6 +211,97 @@ pub enum Inputs<'x> {
     /// `[n, cols]` int8 with `[n, cols/32]` scales; for 4-bit formats every 32-block is stored
     /// evens first then odds (the order the nibbles unpack in).
     I8 { q: Vec<i8>, d: Vec<f32> },
+    /// `[n, cols]` 16-bit inputs, block order as for `I8`.
+    I16(I16Inputs),
+}
+
+/// Inputs quantized to 16 bits per 32-value block: `x ~ d[b] * (256 * hi + lo)`.
+///
+/// Element order inside each input row ([`i16_slot`]): natural for Q8. For the 4-bit formats,
+/// each run of four blocks `4q..4q+4` (128 values, 64 packed bytes) is stored as the evens of
+/// the four blocks (16 each, block order) then their odds, the order one 64-byte load of
+/// nibbles splits into; blocks after the last whole run are stored evens then odds each.
+#[derive(Debug, Default)]
+pub struct I16Inputs {
+    /// `[n, cols]` high bytes (`round(x / (amax / 127))`).
+    pub hi: Vec<i8>,
+    /// `[n, cols]` low bytes: the remainder in 1/256 steps.
+    pub lo: Vec<i8>,
+    /// `[n, cols/32]` scales (of `256 * hi + lo`; halved for MXFP4's doubled codes).
+    pub d: Vec<f32>,
+    /// `[n, cols/32]` sums of `256 * hi + lo` over each block (the kernels' offset correction).
+    pub sums: Vec<i32>,
+    /// `[n, cols/32]` `d * sums`, the same in f32 units.
+    pub dsums: Vec<f32>,
+}
+
+/// Position of element `i` of a 32-block in the kernels' input order for `kind`.
+fn block_slot(kind: Kind, i: usize) -> usize {
+    if matches!(kind, Kind::Int4 { .. } | Kind::Mxfp4 { .. }) {
+        if i.is_multiple_of(2) {
+            i / 2
+        } else {
+            16 + i / 2
+        }
+    } else {
+        i
+    }
+}
+
+/// Position of element `i` (of a row of `cols`) in the [`I16Inputs`] order for `kind`.
+pub fn i16_slot(kind: Kind, cols: usize, i: usize) -> usize {
+    if !matches!(kind, Kind::Int4 { .. } | Kind::Mxfp4 { .. }) {
+        return i;
+    }
+    let (b, e) = (i / BLOCK, i % BLOCK);
+    let quads = cols / BLOCK / 4;
+    if b < quads * 4 {
+        (b / 4) * 4 * BLOCK + (e % 2) * 64 + (b % 4) * 16 + e / 2
+    } else {
+        b * BLOCK + block_slot(kind, e)
+    }
+}
+
+/// Quantize `x [n, cols]` (cols a multiple of 32) to 16-bit blocks for `kind`.
+pub fn quantize_inputs_i16(kind: Kind, x: &[f32], cols: usize) -> I16Inputs {
+    debug_assert_eq!(cols % BLOCK, 0);
+    let blocks = x.len() / BLOCK;
+    let mut out = I16Inputs {
+        hi: vec![0; x.len()],
+        lo: vec![0; x.len()],
+        d: vec![0.0; blocks],
+        sums: vec![0; blocks],
+        dsums: vec![0.0; blocks],
+    };
+    let extra = if matches!(kind, Kind::Mxfp4 { .. }) {
+        0.5
+    } else {
+        1.0
+    };
+    for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let s = amax / 127.0;
+        let (inv, inv_lo) = if s > 0.0 {
+            (1.0 / s, 256.0 / s)
+        } else {
+            (0.0, 0.0)
+        };
+        out.d[b] = s / 256.0 * extra;
+        let mut sum = 0i32;
+        for (i, &v) in xb.iter().enumerate() {
+            let h = (v * inv).round().clamp(-127.0, 127.0);
+            // |v - h*s| <= s/2, so the remainder is within +-128 steps of s/256 (clamped).
+            let l = ((v - h * s) * inv_lo).round().clamp(-127.0, 127.0);
+            let row_start = (b * BLOCK / cols) * cols;
+            let dst = row_start + i16_slot(kind, cols, b * BLOCK - row_start + i);
+            out.hi[dst] = h as i8;
+            out.lo[dst] = l as i8;
+            sum += 256 * h as i32 + l as i32;
+        }
+        out.sums[b] = sum;
+        out.dsums[b] = out.d[b] * sum as f32;
+    }
+    out
 }
 
 /// Quantize `x [n, cols]` (cols a multiple of 32) to int8 blocks for `kind`.
@@ -171,7 +309,6 @@ pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
     let blocks = x.len() / BLOCK;
     let mut q = vec![0i8; x.len()];
     let mut d = vec![0f32; blocks];
-    let four_bit = matches!(kind, Kind::Int4 { .. } | Kind::Mxfp4 { .. });
     // MXFP4 codes are stored doubled (integers -12..12), so halve the block scale.
     let extra = if matches!(kind, Kind::Mxfp4 { .. }) {
         0.5
@@ -189,16 +326,7 @@ pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
         let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
         *db = s * extra;
         for (i, &v) in xb.iter().enumerate() {
-            let dst = if four_bit {
-                if i % 2 == 0 {
-                    i / 2
-                } else {
-                    16 + i / 2
-                }
-            } else {
-                i
-            };
-            qb[dst] = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            qb[block_slot(kind, i)] = (v * inv).round().clamp(-127.0, 127.0) as i8;
         }
     }
     Inputs::I8 { q, d }
@@ -230,7 +358,7 @@ fn scales_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>) {
         })),
         ScaleType::F16 => {
             #[cfg(target_arch = "x86_64")]
-            if isa == Isa::Avx2 {
+            if isa.has_avx2() {
                 let start = out.len();
                 out.resize(start + bytes.len() / 2, 0.0);
                 // SAFETY: Avx2 implies F16C was detected; `out[start..]` holds exactly
@@ -299,9 +427,17 @@ fn row_dot(
         Inputs::F32(x) => {
             if simd {
                 #[cfg(target_arch = "x86_64")]
-                if isa == Isa::Avx2 {
-                    // SAFETY: `Isa::Avx2` is only selected when `available()` saw AVX2, FMA
-                    // and F16C; `simd_shape` holds and the slices have the lengths
+                if isa == Isa::Avx512 && x86_avx512::supports_f32(kind) {
+                    // SAFETY: `Isa::Avx512` is only selected when `available()` saw AVX-512
+                    // F/BW/VL/VNNI, AVX2, FMA and F16C; the slice lengths are the ones
+                    // `x86_avx512::row_f32` documents, checked by `matmul`.
+                    unsafe { x86_avx512::row_f32(kind, row, scales, x, cols, n, out) };
+                    return;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if isa.has_avx2() {
+                    // SAFETY: `Isa::Avx2`/`Avx512` are only selected when `available()` saw
+                    // AVX2, FMA and F16C; `simd_shape` holds and the slices have the lengths
                     // `x86::row_f32` documents (row = row_bytes(cols), scales = cols/group,
                     // x = n*cols, out = n), all checked by `matmul`.
                     unsafe { x86::row_f32(kind, row, scales, x, cols, n, out) };
@@ -319,12 +455,22 @@ fn row_dot(
         }
         Inputs::I8 { q, d } => {
             #[cfg(target_arch = "x86_64")]
-            if simd && isa == Isa::Avx2 {
+            if simd && isa.has_avx2() {
                 // SAFETY: as above; `q` is `n*cols` and `d` is `n*cols/32`.
                 unsafe { x86::row_i8(kind, row, scales, q, d, cols, n, out) };
                 return;
             }
             scalar::row_i8(kind, row, scales, q, d, cols, n, out)
+        }
+        Inputs::I16(x) => {
+            #[cfg(target_arch = "x86_64")]
+            if simd && isa == Isa::Avx512 {
+                // SAFETY: as above; `x` holds `n*cols` codes per plane and `n*cols/32` scales
+                // and sums, checked by `matmul`.
+                unsafe { x86_avx512::row_i16(kind, row, scales, x, cols, n, out) };
+                return;
+            }
+            scalar::row_i16(kind, row, scales, x, cols, n, out)
         }
     }
 }
@@ -333,6 +479,11 @@ fn row_dot(
 pub fn matmul(m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
     matmul_with(Isa::detect(), m, x, n, out, act)
 }
+
+/// Weight bytes per rayon task: large enough that task overhead (scale conversion, scheduling)
+/// stays small against streaming them from DRAM, small enough to balance two to a few dozen
+/// threads on a 2048-row expert matrix.
+const TASK_BYTES: usize = 256 << 10;
 
 /// [`matmul`] on a chosen instruction set (falls back to scalar if `isa` is unavailable).
 pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
@@ -344,23 +495,23 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
     }
     let isa = if isa.available() { isa } else { Isa::Scalar };
     let kind = Kind::of(m.format());
-    let xin = if act == Act::I8 && kind.integer() && kind.simd_shape(cols) {
-        quantize_inputs(kind, x, cols)
-    } else {
-        Inputs::F32(x)
+    let integer_ok = kind.integer() && kind.simd_shape(cols);
+    let xin = match act {
+        Act::I8 if integer_ok => quantize_inputs(kind, x, cols),
+        Act::I16 if integer_ok => Inputs::I16(quantize_inputs_i16(kind, x, cols)),
+        _ => Inputs::F32(x),
     };
     let rb = kind.row_bytes(cols);
     let data = m.data_bytes();
-    // About 64 KiB of weights per task.
-    let block = (65536 / rb.max(1)).clamp(1, 256);
+    let block = (TASK_BYTES / rb.max(1)).clamp(1, 1024);
     let task = |bi: usize, o: &mut [f32]| {
         let r0 = bi * block;
         let nr = o.len() / n;
         let mut scales = Vec::new();
         row_scales(isa, m, r0, r0 + nr, &mut scales);
         let group = kind.group(cols);
-        if matches!(xin, Inputs::I8 { .. }) && group != BLOCK {
-            // The int8 kernels take one scale per 32-block.
+        if !matches!(xin, Inputs::F32(_)) && group != BLOCK {
+            // The integer kernels take one scale per 32-block.
             scales = scales
                 .chunks(cols.div_ceil(group))
                 .flat_map(|g| (0..cols / BLOCK).map(move |b| g[b * BLOCK / group]))
@@ -368,36 +519,57 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
         }
         let per_row = scales.len() / nr;
         let mut first = 0;
-        // Matrix-vector products on AVX2 with a long `x` (over half of a 32 KiB L1 data cache):
-        // four rows at a time share each load of `x` instead of re-reading it from L2 per row.
+        // Matrix-vector products with a long `x` (over half of a 32 KiB L1 data cache): four
+        // rows at a time share each load of `x` instead of re-reading it from L2 per row.
         // With a short `x` the single-row tile (four accumulators) measured faster
         // (benches/results/kernels_idle_rows4_all_shapes.json vs kernels_idle.json).
         #[cfg(target_arch = "x86_64")]
-        if n == 1
-            && cols * 4 > 16 << 10
-            && isa == Isa::Avx2
-            && kind.simd_shape(cols)
-            && matches!(xin, Inputs::F32(_))
-        {
+        if n == 1 && isa == Isa::Avx512 && kind.simd_shape(cols) {
+            // Loads bound the AVX-512 integer kernels: four rows share each input load.
+            if let Inputs::I16(xq) = &xin {
+                while first + 4 <= nr {
+                    let r = r0 + first;
+                    let row = |k: usize| &data[(r + k) * rb..(r + k + 1) * rb];
+                    let sc = |k: usize| &scales[(first + k) * per_row..(first + k + 1) * per_row];
+                    // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA were
+                    // detected; `simd_shape` holds; each row is `row_bytes(cols)` long, each
+                    // scale slice holds the row's `cols / 32` block scales, `xq` one input of
+                    // `cols`, and `o[first..first + 4]` the four outputs.
+                    unsafe {
+                        x86_avx512::rows4_i16(
+                            kind,
+                            [row(0), row(1), row(2), row(3)],
+                            [sc(0), sc(1), sc(2), sc(3)],
+                            xq,
+                            cols,
+                            &mut o[first..first + 4],
+                        )
+                    };
+                    first += 4;
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if n == 1 && cols * 4 > 16 << 10 && isa.has_avx2() && kind.simd_shape(cols) {
             if let Inputs::F32(xf) = &xin {
                 while first + 4 <= nr {
                     let r = r0 + first;
                     let row = |k: usize| &data[(r + k) * rb..(r + k + 1) * rb];
                     let sc = |k: usize| &scales[(first + k) * per_row..(first + k + 1) * per_row];
-                    // SAFETY: `Isa::Avx2` is only selected when AVX2, FMA and F16C were
-                    // detected; `simd_shape` holds; each row is `row_bytes(cols)` long, each
-                    // scale slice covers the row's groups, `x` is `cols` long (n == 1, checked
-                    // by `matmul`) and `o[first..first + 4]` holds the four outputs.
-                    unsafe {
-                        x86::rows4_f32(
-                            kind,
-                            [row(0), row(1), row(2), row(3)],
-                            [sc(0), sc(1), sc(2), sc(3)],
-                            xf,
-                            cols,
-                            &mut o[first..first + 4],
-                        )
-                    };
+                    let rows4 = [row(0), row(1), row(2), row(3)];
+                    let sc4 = [sc(0), sc(1), sc(2), sc(3)];
+                    let o4 = &mut o[first..first + 4];
+                    if isa == Isa::Avx512 && x86_avx512::supports_f32(kind) {
+                        // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2, FMA and
+                        // F16C were detected; the slices are as for `x86::rows4_f32` below.
+                        unsafe { x86_avx512::rows4_f32(kind, rows4, sc4, xf, cols, o4) };
+                    } else {
+                        // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected;
+                        // `simd_shape` holds; each row is `row_bytes(cols)` long, each scale
+                        // slice covers the row's groups, `x` is `cols` long (n == 1, checked
+                        // by `matmul`) and `o4` holds the four outputs.
+                        unsafe { x86::rows4_f32(kind, rows4, sc4, xf, cols, o4) };
+                    }
                     first += 4;
                 }
             }

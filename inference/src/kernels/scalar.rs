@@ -186,3 +186,47 @@ pub fn row_i8(
         }
     }
 }
+
+/// The integer code of element `c` of a row (INT4: nibble - 8; MXFP4: twice the e2m1 value;
+/// Q8: the byte).
+fn code_at(kind: Kind, row: &[u8], c: usize) -> i32 {
+    match kind {
+        Kind::Int4 { .. } | Kind::Mxfp4 { .. } => {
+            let b = row[c / 2];
+            let nib = if c.is_multiple_of(2) { b & 0xf } else { b >> 4 } as usize;
+            match kind {
+                Kind::Int4 { .. } => nib as i32 - 8,
+                _ => MXFP4_X2[nib] as i32,
+            }
+        }
+        Kind::Q8 { .. } => row[c] as i8 as i32,
+        _ => unreachable!("integer kernels only take INT4, MXFP4 and Q8"),
+    }
+}
+
+/// 16-bit-activation reference: each input block is `d * (256 * hi + lo)` (stored in the order
+/// [`super::i16_slot`] gives); per 32-block `sum(code_w * (256 * hi + lo)) * scale_w * d_x` in
+/// exact integer arithmetic, summed in f32. Same shape rules as [`row_i8`].
+#[allow(clippy::too_many_arguments)]
+pub fn row_i16(
+    kind: Kind,
+    row: &[u8],
+    scales: &[f32],
+    x: &super::I16Inputs,
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let blocks = cols / BLOCK;
+    out[..n].fill(0.0);
+    for (b, &sw) in scales[..blocks].iter().enumerate() {
+        for (t, o) in out[..n].iter_mut().enumerate() {
+            let mut s = 0i32;
+            for c in b * BLOCK..(b + 1) * BLOCK {
+                let at = t * cols + super::i16_slot(kind, cols, c);
+                s += code_at(kind, row, c) * (256 * x.hi[at] as i32 + x.lo[at] as i32);
+            }
+            *o += s as f32 * sw * x.d[t * blocks + b];
+        }
+    }
+}
