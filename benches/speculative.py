@@ -16,6 +16,11 @@ ap.add_argument("--ram-budget", default="700M")
 ap.add_argument("--new", type=int, default=48)
 ap.add_argument("--repeats", type=int, default=2)
 ap.add_argument("--out", default="benches/results/speculative.json")
+ap.add_argument("--ks", default="adaptive,2,4,8",
+                help="k values to run (adaptive or a number), comma-separated")
+ap.add_argument("--merge", action="store_true",
+                help="replace only the rows run now in an existing --out file (same baseline run "
+                     "repeated) and keep its other rows and snapshot figures")
 a = ap.parse_args()
 repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 bin_ = os.environ.get("DELTAFIN_BIN", os.path.join(repo, "target/release/deltafin"))
@@ -42,7 +47,7 @@ base = best([], prompt, a.new)
 want = base["token_ids"]
 rows = []
 for corruption in [1.0, 0.5, 0.2, 0.0]:
-    for k in ["adaptive", 2, 4, 8]:
+    for k in [k if k == "adaptive" else int(k) for k in a.ks.split(",")]:
         extra = ["--draft", "replay", "--replay-ids", ",".join(map(str, want)),
                  "--replay-corruption", str(corruption)]
         extra += ["--draft-k", "8"] if k == "adaptive" else ["--draft-k", str(k), "--fixed-k"]
@@ -60,6 +65,23 @@ for corruption in [1.0, 0.5, 0.2, 0.0]:
             "k_histogram": r["draft_k_histogram"],
         })
         print(json.dumps(rows[-1]), file=sys.stderr)
+
+if a.merge:
+    path = os.path.join(repo, a.out)
+    prev = json.load(open(path))
+    ran = {(r["per_token_acceptance"], r["k"]) for r in rows}
+    kept = [r for r in prev["replay"] if (r["per_token_acceptance"], r["k"]) not in ran]
+    for r in rows:
+        # Speedups stay relative to this run's own baseline.
+        r["baseline_tokens_per_s"] = base["tokens_per_s"]
+    prev["replay"] = sorted(kept + rows, key=lambda r: (-r["per_token_acceptance"], str(r["k"])))
+    prev.setdefault("merged_runs", []).append({
+        "command": " ".join(["benches/speculative.py"] + sys.argv[1:]),
+        "baseline_tokens_per_s": base["tokens_per_s"],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    with open(path, "w") as f:
+        json.dump(prev, f, indent=1)
+    sys.exit(0)
 
 # Snapshots: cold 512-token prompt with --save-session, then the same prompt + 16 new tokens.
 long_prompt = [(i * 53 + 7) % 4000 for i in range(512)]

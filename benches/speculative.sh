@@ -8,15 +8,18 @@
 #    where one verify pass reads far fewer bytes than k+1 plain steps.
 # Writes benches/results/speculative_<model>.json.
 #   sudo benches/speculative.sh [--bps B] [--new 48] [--repeats 1] [--models "medium dense16"]
+#        [--ks adaptive,2,4,8] [--merge]   (--merge: rerun only those rows into the existing JSON)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(dirname "$here")
-ORIG_ARGS="$*"; BPS=$((150 * 1024 * 1024)); NEW=48; REPEATS=1; MODELS="medium dense16"
+ORIG_ARGS="$*"; BPS=$((150 * 1024 * 1024)); NEW=48; REPEATS=1; MODELS="medium dense16"; PYX=()
 while [ $# -gt 0 ]; do
     case $1 in
         --bps) BPS=$2; shift 2 ;;
         --new) NEW=$2; shift 2 ;;
         --repeats) REPEATS=$2; shift 2 ;;
         --models) MODELS=$2; shift 2 ;;
+        --ks) PYX+=(--ks "$2"); shift 2 ;;
+        --merge) PYX+=(--merge); shift ;;
         *) echo "unknown $1" >&2; exit 2 ;;
     esac
 done
@@ -53,5 +56,5 @@ for m in $MODELS; do
     # Children inherit the throttled cgroup.
     in_throttled python3 "$here/speculative.py" "$BENCH_MNT/d0/$m/manifest.json" \
         --ram-budget "$(budget_of "$m")" --new "$NEW" --repeats "$REPEATS" \
-        --out "benches/results/speculative_$m.json"
+        --out "benches/results/speculative_$m.json" "${PYX[@]}"
 done

@@ -330,6 +330,8 @@ pub struct KController {
     cost: Vec<Option<f64>>,
     plain_since_probe: usize,
     probe_every: usize,
+    /// Plain steps recorded so far.
+    plain_steps: usize,
 }
 
 impl KController {
@@ -341,6 +343,9 @@ impl KController {
     /// costs a whole extra verify pass.
     const MARGIN: f64 = 1.05;
     const PROBE_MAX: usize = 256;
+    /// Plain steps measured before the first draft: the first steps after a prefill run with
+    /// an unusual cache (the prompt's experts), so one of them is a poor baseline.
+    const WARMUP: usize = 4;
 
     pub fn new(max_k: usize, adaptive: bool) -> KController {
         KController {
@@ -352,6 +357,7 @@ impl KController {
             cost: vec![None; max_k + 1],
             plain_since_probe: 0,
             probe_every: Self::PROBE_MIN,
+            plain_steps: 0,
         }
     }
 
@@ -383,8 +389,8 @@ impl KController {
         if !self.adaptive || cap == 0 {
             return cap;
         }
-        if self.cost[0].is_none() {
-            return 0; // measure a plain step first
+        if self.plain_steps < Self::WARMUP {
+            return 0; // measure plain steps first
         }
         let a = self.acceptance();
         let rate = |k: usize| {
@@ -416,6 +422,9 @@ impl KController {
     /// `accepted` of them and took `secs` (drafting included).
     pub fn record(&mut self, drafted: usize, accepted: usize, secs: f64) {
         let slot = drafted.min(self.max_k);
+        if drafted == 0 {
+            self.plain_steps += 1;
+        }
         self.cost[slot] = Some(match self.cost[slot] {
             Some(c) => c * Self::COST_DECAY + secs * (1.0 - Self::COST_DECAY),
             None => secs,
