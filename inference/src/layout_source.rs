@@ -644,15 +644,16 @@ impl ExpertFetcher {
                     to_read.pop_front();
                     in_flight += 1;
                 } else if in_flight == 0 && ready.is_empty() {
-                    // Nothing of ours will free room: cancel other layers' prefetches and wait
-                    // for them, or give up if nothing is in flight at all.
+                    // Nothing of ours will free room: cancel the reads that are not part of
+                    // this batch (other layers' prefetches, and this layer's mispredicted
+                    // ones) and wait for them, or give up if nothing is in flight at all.
                     let mut any = false;
                     for (k, s) in st.slots.iter_mut() {
                         if let Slot::Pending {
                             ticket, cancelled, ..
                         } = s
                         {
-                            if k.0 != layer {
+                            if k.0 != layer || index_of(k.1).is_none() {
                                 if !*cancelled {
                                     ticket.cancel();
                                     *cancelled = true;

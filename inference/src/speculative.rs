@@ -690,7 +690,10 @@ mod tests {
             time += secs;
             drafting += usize::from(k > 0);
         }
-        (tokens as f64 / time / (1.0 / cost(0)), drafting as f64 / steps as f64)
+        (
+            tokens as f64 / time / (1.0 / cost(0)),
+            drafting as f64 / steps as f64,
+        )
     }
 
     #[test]

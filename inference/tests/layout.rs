@@ -504,3 +504,41 @@ fn load_owned_releases_the_resident_copy() {
         assert_eq!(model.weights_digest(), ordinary.weights_digest(), "{name}");
     }
 }
+
+/// A mispredicted next-layer prefetch still in flight must not hold the budget that the same
+/// layer's demand reads need: with room for one record, a pending prefetch of expert 3 of layer
+/// 1 and a demand for expert 5 of layer 1, the prefetch is cancelled and the demand served
+/// (it used to fail with `ExpertBudget`, seen after `--load-session` under a tight budget).
+#[test]
+fn pending_mispredicted_prefetch_yields_the_budget() {
+    let (_tmp, dirs) = lay_out("deepseek_v3_a", Mode::Stripe, 1, 8192);
+    let opts = LayoutSourceOptions {
+        // Slow reads keep the prefetch in flight when the demand arrives.
+        backend: Arc::new(FaultyBackend::new(
+            Arc::new(PosixBackend::default()),
+            vec![Fault::Latency(std::time::Duration::from_millis(150))],
+        )),
+        // Many reads at once so that loading the resident weights stays quick.
+        threads_per_drive: 16,
+        resident_in_flight: 64,
+        ..options()
+    };
+    let src = LayoutSource::open(&dirs[0], &opts).unwrap();
+    let manifest = src.manifest();
+    let biggest = manifest
+        .records
+        .iter()
+        .filter(|r| matches!(r.id, RecordId::Expert { .. }))
+        .map(|r| align_up(r.len))
+        .max()
+        .unwrap();
+    src.set_expert_memory_cap(biggest);
+    src.prefetch(1, &[3]);
+    let mut got = Vec::new();
+    src.with_experts(1, &[5], &mut |e: usize, _: &ExpertView<'_>| {
+        got.push(e);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(got, vec![5]);
+}
