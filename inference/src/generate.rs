@@ -2,7 +2,7 @@
 //! streaming each token to a callback, until a stop token, the token budget or the callback ends
 //! it.
 
-use crate::error::Result;
+use crate::error::{InferenceError, Result};
 use crate::model::{LogitsMode, Model, Session};
 use crate::sampler::{Sampler, SamplerConfig};
 
@@ -91,14 +91,21 @@ pub fn generate(
             stop: StopReason::MaxTokens,
         });
     }
-    // All chunks but the last without logits; the last gives the first token's logits.
-    let last_start = prompt.len().saturating_sub(1) / chunk * chunk;
-    prefill(session, last_start)?;
-    let mut logits = match model.forward_last(session, &prompt[last_start..]) {
-        Ok(l) => l,
-        Err(e) => {
-            let _ = session.truncate(start);
-            return Err(e);
+    let mut logits = if prompt.is_empty() {
+        // The whole prompt came from a snapshot: resume from its last position's output.
+        model
+            .logits_from_recorded(session)
+            .ok_or(InferenceError::EmptyInput)?
+    } else {
+        // All chunks but the last without logits; the last gives the first token's logits.
+        let last_start = (prompt.len() - 1) / chunk * chunk;
+        prefill(session, last_start)?;
+        match model.forward_last(session, &prompt[last_start..]) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = session.truncate(start);
+                return Err(e);
+            }
         }
     };
     loop {

@@ -102,6 +102,17 @@ pub struct Session {
     model_id: u64,
     states: Vec<Box<dyn MixerState>>,
     len: usize,
+    /// The last layer's output (before the final norm) of each position from `start` on, when
+    /// recording ([`Model::record_outputs`]): a snapshot that holds them lets a later prompt
+    /// that is entirely a prefix of the snapshot start generating without a forward pass.
+    outputs: Option<OutputStates>,
+}
+
+/// Per-position outputs of the last layer, `[len - start, hidden]`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OutputStates {
+    pub(crate) start: usize,
+    pub(crate) data: Vec<f32>,
 }
 
 impl Session {
@@ -123,12 +134,37 @@ impl Session {
         for s in &mut self.states {
             s.truncate(len)?;
         }
+        self.truncate_outputs(len);
         self.len = len;
         Ok(())
     }
+    fn truncate_outputs(&mut self, len: usize) {
+        if let Some(o) = &mut self.outputs {
+            if len <= o.start {
+                o.start = len;
+                o.data.clear();
+            } else if let Some(per) = o.data.len().checked_div(self.len - o.start) {
+                o.data.truncate((len - o.start) * per);
+            }
+        }
+    }
     /// Bytes held by the caches.
     pub fn memory_bytes(&self) -> usize {
-        self.states.iter().map(|s| s.memory_bytes()).sum()
+        self.states.iter().map(|s| s.memory_bytes()).sum::<usize>()
+            + self.outputs.as_ref().map_or(0, |o| o.data.len() * 4)
+    }
+    /// Whether the last layer's output of position `pos` is recorded.
+    pub fn has_output(&self, pos: usize) -> bool {
+        self.outputs
+            .as_ref()
+            .is_some_and(|o| pos >= o.start && pos < self.len)
+    }
+    /// Recorded outputs (snapshots).
+    pub(crate) fn outputs(&self) -> Option<&OutputStates> {
+        self.outputs.as_ref()
+    }
+    pub(crate) fn set_outputs(&mut self, outputs: Option<OutputStates>) {
+        self.outputs = outputs;
     }
     /// Per-layer mixer states (snapshots).
     pub(crate) fn states(&self) -> &[Box<dyn MixerState>] {
@@ -271,7 +307,37 @@ impl Model {
             model_id: self.id,
             states: self.layers.iter().map(|l| l.mixer.new_state()).collect(),
             len: 0,
+            outputs: None,
         }
+    }
+
+    /// Record the last layer's output of every position `session` processes from now on
+    /// (`hidden_size` f32 per position), so that a snapshot of it can resume a prompt that ends
+    /// anywhere inside it without recomputing the prompt's last position.
+    pub fn record_outputs(&self, session: &mut Session) {
+        if session.outputs.is_none() {
+            session.outputs = Some(OutputStates {
+                start: session.len,
+                data: Vec::new(),
+            });
+        }
+    }
+
+    /// Logits of the session's last position from its recorded output (final norm and LM
+    /// head only); `None` if that output was not recorded.
+    pub fn logits_from_recorded(&self, session: &Session) -> Option<Vec<f32>> {
+        let last = session.len.checked_sub(1)?;
+        if !session.has_output(last) || session.model_id != self.id {
+            return None;
+        }
+        let o = session.outputs.as_ref()?;
+        let hd = self.hidden_size();
+        let row = o
+            .data
+            .get((last - o.start) * hd..(last - o.start + 1) * hd)?;
+        let x = self.norm.apply(row);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Some(head.forward(&x, 1))
     }
 
     /// Process `tokens` at positions `session.len()..` (a prompt chunk, a verification batch or
@@ -312,6 +378,10 @@ impl Model {
                         // Cannot fail: start <= len.
                         let _ = s.truncate(start);
                     }
+                }
+                if let Some(o) = &mut session.outputs {
+                    let hd = self.hidden_size();
+                    o.data.truncate(start.saturating_sub(o.start) * hd);
                 }
                 session.len = start;
                 Err(e)
@@ -398,6 +468,9 @@ impl Model {
             }
         }
         let h = self.residual.output(&streams);
+        if let Some(o) = &mut session.outputs {
+            o.data.extend_from_slice(&h);
+        }
         let (rows, hs): (usize, &[f32]) = match mode {
             LogitsMode::All => (n, &h),
             LogitsMode::Last => (1, &h[(n - 1) * hd..]),

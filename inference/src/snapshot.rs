@@ -11,8 +11,14 @@
 //! tokens     u64 n, then n x u32          token history (= positions held by the states)
 //! layers     u32 L, then per layer:
 //!              u32 A (arrays), then per array: u64 count, count x f32
+//! outputs    (version >= 2) u8 recorded (0/1), u64 first position s, u64 count,
+//!              count = (n - s) x hidden f32: the last layer's output of positions s..n
 //! checksum   32 bytes blake3 of every byte before it
 //! ```
+//!
+//! With the outputs, a prompt that lies entirely inside the history resumes with no forward
+//! pass at all: its first new token's logits come from the stored output of its last position
+//! (final norm and LM head only). Version 1 files (no outputs) still load.
 //!
 //! Saving writes `FILE.tmp-PID`, fsyncs it, renames it over `FILE` and fsyncs the directory, so
 //! a crash leaves either the old or the new snapshot. Loading refuses (with a
@@ -24,12 +30,12 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::InferenceError;
-use crate::model::{Model, Session};
+use crate::model::{Model, OutputStates, Session};
 
 /// First bytes of every snapshot file.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"DFSNAP\r\n";
 /// The format version this build writes (and the newest it reads).
-pub const SNAPSHOT_VERSION: u32 = 1;
+pub const SNAPSHOT_VERSION: u32 = 2;
 const CHECKSUM_LEN: usize = 32;
 const HEADER_LEN: usize = 8 + 4 + 32;
 
@@ -193,6 +199,27 @@ pub fn write_snapshot<W: Write>(
         })()
         .map_err(io)?;
     }
+    let hd = model.hidden_size();
+    (|| -> std::io::Result<()> {
+        let (on, start, data): (u8, usize, &[f32]) = match session.outputs() {
+            Some(o) => (1, o.start, &o.data),
+            None => (0, history.len(), &[]),
+        };
+        debug_assert_eq!(data.len(), (history.len() - start) * hd);
+        put(&[on])?;
+        put(&(start as u64).to_le_bytes())?;
+        put(&(data.len() as u64).to_le_bytes())?;
+        let mut buf = Vec::with_capacity(data.len().min(1 << 16) * 4);
+        for chunk in data.chunks(1 << 16) {
+            buf.clear();
+            for x in chunk {
+                buf.extend_from_slice(&x.to_le_bytes());
+            }
+            put(&buf)?;
+        }
+        Ok(())
+    })()
+    .map_err(io)?;
     let sum = *hw.hasher.finalize().as_bytes();
     hw.inner.write_all(&sum).map_err(io)?;
     Ok(hw.inner)
@@ -347,6 +374,32 @@ pub fn decode(bytes: &[u8], model: &Model, hash: &[u8; 32]) -> SnapshotResult<(S
         }
         *len = n;
     }
+    if version >= 2 {
+        let on = r.take(1, "output flag")?[0];
+        let start = r.u64("output start")?;
+        let hd = model.hidden_size();
+        let c = r.count("output length", 4)?;
+        let start = usize::try_from(start)
+            .ok()
+            .filter(|&s| s <= n)
+            .ok_or_else(|| {
+                SnapshotError::Malformed(format!("outputs start at {start}, past {n} positions"))
+            })?;
+        if on > 1 || (n - start).checked_mul(hd) != Some(c) || (on == 0 && c != 0) {
+            return Err(SnapshotError::Malformed(format!(
+                "outputs: flag {on}, {c} values from position {start}; expected {} x {hd}",
+                n - start
+            )));
+        }
+        let data: Vec<f32> = r
+            .take(c * 4, "outputs")?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if on == 1 {
+            session.set_outputs(Some(OutputStates { start, data }));
+        }
+    }
     if r.pos != body.len() {
         return Err(SnapshotError::Malformed(format!(
             "{} trailing bytes",
@@ -432,8 +485,10 @@ pub fn load(path: &Path, model: &Model, hash: &[u8; 32]) -> SnapshotResult<(Sess
 }
 
 /// Keep the longest prefix of `history` (the positions `session` holds) that `prompt` starts
-/// with, leaving at least one prompt token to feed (its logits give the first new token).
-/// Truncates `session` (no copy) and returns how many prompt tokens it already holds.
+/// with. The whole prompt is kept only when the session recorded the output of its last
+/// position (the first new token's logits come from it, [`Model::logits_from_recorded`]);
+/// otherwise at least one prompt token is left to feed. Truncates `session` (no copy) and
+/// returns how many prompt tokens it already holds.
 pub fn reuse_prefix(
     session: &mut Session,
     history: &[u32],
@@ -444,9 +499,10 @@ pub fn reuse_prefix(
         .zip(prompt)
         .take_while(|(a, b)| a == b)
         .count();
-    let keep = common
-        .min(prompt.len().saturating_sub(1))
-        .min(session.len());
+    let mut keep = common.min(prompt.len()).min(session.len());
+    if keep == prompt.len() && !(keep > 0 && session.has_output(keep - 1)) {
+        keep = keep.saturating_sub(1);
+    }
     session.truncate(keep)?;
     Ok(keep)
 }

@@ -509,16 +509,22 @@ pub fn speculative_generate(
     };
     let mut ctl = KController::new(spec.max_k, spec.adaptive);
     let start = session.len();
-    if prompt.is_empty() {
+    if prompt.is_empty() && model.logits_from_recorded(session).is_none() {
         return Err(InferenceError::EmptyInput);
     }
     let chunk = if config.prefill_chunk == 0 {
-        prompt.len()
+        prompt.len().max(1)
     } else {
         config.prefill_chunk
     };
-    let last_start = (prompt.len() - 1) / chunk * chunk;
+    let last_start = prompt.len().saturating_sub(1) / chunk * chunk;
     let prefill = (|| -> Result<Vec<f32>> {
+        if prompt.is_empty() {
+            // The whole prompt came from a snapshot: resume from its last position's output.
+            return model
+                .logits_from_recorded(session)
+                .ok_or(InferenceError::EmptyInput);
+        }
         for c in prompt[..last_start].chunks(chunk) {
             model.forward_with(session, c, LogitsMode::None, None)?;
         }

@@ -233,3 +233,96 @@ fn save_is_atomic_and_load_reads_back() {
     let bad = dir.path().join("no/such/dir/s");
     assert!(snapshot::save(&bad, &model, &hash, &s, &toks2).is_err());
 }
+
+/// With recorded outputs, a prompt that lies entirely inside the snapshot resumes without a
+/// forward pass (the first token's logits come from the stored output of its last position),
+/// and generates exactly the cold run's tokens; a prompt ending earlier inside it too.
+#[test]
+fn recorded_outputs_resume_the_whole_prompt() {
+    for name in ["qwen3_moe_a", "deepseek_v3_a"] {
+        let model = load(name);
+        let hash = model_hash(&model, b"");
+        let mut config = GenerateConfig::for_model(&model, 10);
+        config.stop_tokens.clear();
+        let full = prompt(40);
+        // A cold run that records outputs, saved like `generate --save-session` does.
+        let mut s = model.new_session();
+        model.record_outputs(&mut s);
+        let cold = generate(&model, &mut s, &full, &config, &mut |_| true)
+            .unwrap()
+            .tokens;
+        let mut history = full.clone();
+        history.extend_from_slice(&cold);
+        history.truncate(s.len());
+        let bytes = encode(&model, &hash, &s, &history).unwrap();
+        for cut in [40usize, 25] {
+            let p = &full[..cut];
+            let want = generate(&model, &mut model.new_session(), p, &config, &mut |_| true)
+                .unwrap()
+                .tokens;
+            let (mut s, hist) = decode(&bytes, &model, &hash).unwrap();
+            let reused = reuse_prefix(&mut s, &hist, p).unwrap();
+            assert_eq!(reused, cut, "{name}: the whole prompt is reused");
+            // The stored output gives the logits a forward pass over the last token would.
+            let stored = model.logits_from_recorded(&s).unwrap();
+            let mut fresh = model.new_session();
+            let recomputed = model.forward_last(&mut fresh, p).unwrap();
+            let err = stored
+                .iter()
+                .zip(&recomputed)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                err < 1e-4,
+                "{name}: stored vs recomputed logits differ by {err}"
+            );
+            let warm = generate(&model, &mut s, &[], &config, &mut |_| true)
+                .unwrap()
+                .tokens;
+            assert_eq!(warm, want, "{name}: prompt of {cut}");
+        }
+        // Without recorded outputs the last prompt token is fed again.
+        let plain = snap(&model, &full);
+        let (mut s, hist) = decode(&plain, &model, &hash).unwrap();
+        assert_eq!(reuse_prefix(&mut s, &hist, &full).unwrap(), full.len() - 1);
+    }
+}
+
+/// Every flipped byte and cut inside the outputs section of a snapshot that has one is refused.
+#[test]
+fn corrupt_outputs_section_is_refused() {
+    let model = load("qwen3_moe_a");
+    let hash = model_hash(&model, b"");
+    let toks = prompt(3);
+    let mut s = model.new_session();
+    model.record_outputs(&mut s);
+    model.forward_last(&mut s, &toks).unwrap();
+    let bytes = encode(&model, &hash, &s, &toks).unwrap();
+    assert!(!refused(&bytes, &model, &hash));
+    let section = 17 + 3 * model.hidden_size() * 4 + 32;
+    let mut b = bytes.clone();
+    for i in bytes.len() - section..bytes.len() {
+        b[i] ^= 0x01;
+        assert!(refused(&b, &model, &hash), "flip at {i} accepted");
+        b[i] ^= 0x01;
+        assert!(refused(&bytes[..i], &model, &hash), "cut at {i} accepted");
+    }
+}
+
+/// Version 1 files (written before the outputs section existed) still load.
+#[test]
+fn version_1_snapshots_still_load() {
+    let model = load("deepseek_v3_a");
+    let hash = model_hash(&model, b"");
+    let toks = prompt(9);
+    let v2 = snap(&model, &toks);
+    // Drop the empty outputs section (flag, start, count) and the checksum; re-seal as v1.
+    let mut v1 = v2[..v2.len() - 32 - 17].to_vec();
+    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let sum = *blake3::hash(&v1).as_bytes();
+    v1.extend_from_slice(&sum);
+    let (s, hist) = decode(&v1, &model, &hash).unwrap();
+    assert_eq!(hist, toks);
+    assert_eq!(s.len(), toks.len());
+    assert!(!s.has_output(toks.len() - 1));
+}

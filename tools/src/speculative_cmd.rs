@@ -151,6 +151,11 @@ pub(crate) fn run(
             }
             _ => (model.new_session(), 0),
         };
+        if args.save_session.is_some() {
+            // Keep each position's last-layer output in the snapshot too, so that a later
+            // prompt ending inside it needs no forward pass before its first new token.
+            model.record_outputs(&mut session);
+        }
         m.insert("prefix_reused_tokens".into(), reused.into());
         let output: GenerateOutput = match drafter.as_deref_mut() {
             Some(d) => {
