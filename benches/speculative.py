@@ -18,6 +18,8 @@ ap.add_argument("--repeats", type=int, default=2)
 ap.add_argument("--out", default="benches/results/speculative.json")
 ap.add_argument("--ks", default="adaptive,2,4,8",
                 help="k values to run (adaptive or a number), comma-separated")
+ap.add_argument("--snapshot-only", action="store_true",
+                help="only the snapshot TTFT measurement, written into the existing --out file")
 ap.add_argument("--merge", action="store_true",
                 help="replace only the rows run now in an existing --out file (same baseline run "
                      "repeated) and keep its other rows and snapshot figures")
@@ -41,6 +43,37 @@ def best(extra, prompt, new):
     rs.sort(key=lambda r: r["tokens_per_s"])
     return rs[len(rs) // 2]
 
+
+def snapshot_figures():
+    """Cold 512-token prompt with --save-session, then the same prompt + 16 new tokens."""
+    long_prompt = [(i * 53 + 7) % 4000 for i in range(512)]
+    with tempfile.TemporaryDirectory() as d:
+        snap = os.path.join(d, "s.dfsnap")
+        cold, _ = run(["--save-session", snap], long_prompt, 16)
+        warm, err = run(["--load-session", snap], long_prompt, 16)
+        assert warm["token_ids"] == cold["token_ids"], "warm output differs from cold"
+        size = os.path.getsize(snap)
+    return {
+        "prompt_tokens": 512, "new_tokens": 16, "file_bytes": size,
+        "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"],
+        "warm_over_cold": warm["ttft_s"] / cold["ttft_s"],
+        "snapshot_save_s": cold.get("snapshot_save_s"),
+        "snapshot_load_s": warm.get("snapshot_load_s"),
+        "prefix_reused_tokens": warm.get("prefix_reused_tokens"),
+        "command": " ".join(["benches/speculative.py"] + sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+if a.snapshot_only:
+    path = os.path.join(repo, a.out)
+    prev = json.load(open(path)) if os.path.exists(path) else {}
+    prev["snapshot"] = snapshot_figures()
+    prev.pop("snapshot_error", None)
+    with open(path, "w") as f:
+        json.dump(prev, f, indent=1)
+    print(json.dumps(prev["snapshot"]), file=sys.stderr)
+    sys.exit(0)
 
 prompt = [(i * 37 + 11) % 4000 for i in range(32)]
 base = best([], prompt, a.new)
@@ -83,14 +116,7 @@ if a.merge:
         json.dump(prev, f, indent=1)
     sys.exit(0)
 
-# Snapshots: cold 512-token prompt with --save-session, then the same prompt + 16 new tokens.
-long_prompt = [(i * 53 + 7) % 4000 for i in range(512)]
-with tempfile.TemporaryDirectory() as d:
-    snap = os.path.join(d, "s.dfsnap")
-    cold, _ = run(["--save-session", snap], long_prompt, 16)
-    warm, err = run(["--load-session", snap], long_prompt, 16)
-    assert warm["token_ids"] == cold["token_ids"], "warm output differs from cold"
-    size = os.path.getsize(snap)
+snapshot = snapshot_figures()
 
 out = {
     "command": " ".join(["benches/speculative.py"] + sys.argv[1:]),
@@ -100,14 +126,7 @@ out = {
                  "bytes_read_per_token": base.get("bytes_read_per_token"),
                  "ttft_s": base["ttft_s"]},
     "replay": rows,
-    "snapshot": {
-        "prompt_tokens": 512, "new_tokens": 16, "file_bytes": size,
-        "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"],
-        "warm_over_cold": warm["ttft_s"] / cold["ttft_s"],
-        "snapshot_save_s": cold.get("snapshot_save_s"),
-        "snapshot_load_s": warm.get("snapshot_load_s"),
-        "prefix_reused_tokens": warm.get("prefix_reused_tokens"),
-    },
+    "snapshot": snapshot,
     "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
 }
 os.makedirs(os.path.dirname(os.path.join(repo, a.out)), exist_ok=True)

@@ -9,6 +9,7 @@
 # Writes benches/results/speculative_<model>.json.
 #   sudo benches/speculative.sh [--bps B] [--new 48] [--repeats 1] [--models "medium dense16"]
 #        [--ks adaptive,2,4,8] [--merge]   (--merge: rerun only those rows into the existing JSON)
+#        [--snapshot-only]                 (only the snapshot TTFT, into the existing JSON)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(dirname "$here")
 ORIG_ARGS="$*"; BPS=$((150 * 1024 * 1024)); NEW=48; REPEATS=1; MODELS="medium dense16"; PYX=()
@@ -20,6 +21,7 @@ while [ $# -gt 0 ]; do
         --models) MODELS=$2; shift 2 ;;
         --ks) PYX+=(--ks "$2"); shift 2 ;;
         --merge) PYX+=(--merge); shift ;;
+        --snapshot-only) PYX+=(--snapshot-only); shift ;;
         *) echo "unknown $1" >&2; exit 2 ;;
     esac
 done
