@@ -101,6 +101,7 @@ impl Isa {
     }
 
     /// Whether the AVX2 kernels run on this ISA (AVX-512 machines run them too).
+    #[cfg(target_arch = "x86_64")]
     fn has_avx2(self) -> bool {
         matches!(self, Isa::Avx2 | Isa::Avx512)
     }
@@ -518,6 +519,7 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
                 .collect();
         }
         let per_row = scales.len() / nr;
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut first = 0;
         // Matrix-vector products with a long `x` (over half of a 32 KiB L1 data cache): four
         // rows at a time share each load of `x` instead of re-reading it from L2 per row.
