@@ -219,7 +219,8 @@ impl ExpertShape {
             expert_matrix(view, layer, expert, part, rows, cols, &self.hints)
         };
         let mut h = vec![0f32; m * it];
-        if view.part("gate_up_proj").is_some() {
+        // Fused as shipped (`gate_up_proj`) or quantized at layout time (`gate_up_proj.*`).
+        if view.has_matrix("gate_up_proj") {
             // transformers-5 fused layout: [2I, H], gate rows first.
             let gu = mat("gate_up_proj", 2 * it, hd)?;
             let mut y = vec![0f32; m * 2 * it];

@@ -71,6 +71,14 @@ impl<'a> ExpertView<'a> {
     pub fn part_names(&self) -> Vec<&'a str> {
         self.parts.iter().map(|p| p.name).collect()
     }
+    /// Whether a part is named `matrix` or `matrix.<anything>` (e.g. `gate_up_proj.weight_packed`).
+    pub fn has_matrix(&self, matrix: &str) -> bool {
+        self.parts.iter().any(|p| {
+            p.name
+                .strip_prefix(matrix)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+        })
+    }
 }
 
 /// Callback receiving one ready expert: `(expert_id, view)`.

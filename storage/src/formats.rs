@@ -479,8 +479,9 @@ pub struct TensorQuantError {
     pub bytes_out: u64,
 }
 
-/// [`ExpertTransform`] quantizing every routed expert `*.weight` (BF16/F16/F32, columns a
-/// multiple of 32) to `format`; other parts are copied. Records each tensor's error.
+/// [`ExpertTransform`] quantizing every routed expert matrix (`*.weight`, or a fused
+/// `gate_up_proj` / `down_proj` slice; BF16/F16/F32, columns a multiple of 32) to `format`;
+/// other parts are copied. Records each tensor's error.
 #[derive(Debug)]
 pub struct QuantizeExperts {
     pub format: ExpertFormat,
@@ -502,8 +503,14 @@ impl QuantizeExperts {
         v
     }
 
+    /// The matrix name (`gate_proj`; a fused transformers-5 slice is named `gate_up_proj`
+    /// with no suffix), rows and columns of a part this transform quantizes.
     fn quantizable(&self, p: &PartSpec) -> Option<(String, u64, u64)> {
-        let prefix = p.name.strip_suffix(".weight")?;
+        let prefix = match p.name.strip_suffix(".weight") {
+            Some(prefix) => prefix,
+            None if !p.name.contains('.') => p.name.as_str(),
+            None => return None,
+        };
         let float = matches!(p.dtype, Dtype::Bf16 | Dtype::F16 | Dtype::F32);
         match p.shape[..] {
             [rows, cols] if float && self.format.fits(cols) => {
@@ -556,8 +563,13 @@ impl ExpertTransform for QuantizeExperts {
                     ))
                 })?;
             let (parts, error) = self.format.encode(&w, rows as usize, cols as usize);
+            let tensor = if p.name.ends_with(".weight") {
+                format!("model.layers.{layer}.mlp.experts.{expert}.{prefix}.weight")
+            } else {
+                format!("model.layers.{layer}.mlp.experts.{prefix}[{expert}]")
+            };
             errs.push(TensorQuantError {
-                tensor: format!("model.layers.{layer}.mlp.experts.{expert}.{prefix}.weight"),
+                tensor,
                 layer,
                 expert,
                 max_abs: error.max_abs,
