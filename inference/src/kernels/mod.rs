@@ -529,26 +529,36 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
         if n == 1 && isa == Isa::Avx512 && kind.simd_shape(cols) {
             // Loads bound the AVX-512 integer kernels: four rows share each input load.
             if let Inputs::I16(xq) = &xin {
-                while first + 4 <= nr {
-                    let r = r0 + first;
-                    let row = |k: usize| &data[(r + k) * rb..(r + k + 1) * rb];
-                    let sc = |k: usize| &scales[(first + k) * per_row..(first + k + 1) * per_row];
-                    // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA were
-                    // detected; `simd_shape` holds; each row is `row_bytes(cols)` long, each
-                    // scale slice holds the row's `cols / 32` block scales, `xq` one input of
-                    // `cols`, and `o[first..first + 4]` the four outputs.
-                    unsafe {
-                        x86_avx512::rows4_i16(
-                            kind,
-                            [row(0), row(1), row(2), row(3)],
-                            [sc(0), sc(1), sc(2), sc(3)],
-                            xq,
-                            cols,
-                            &mut o[first..first + 4],
-                        )
+                // Eight rows at a time, then four, share each input load.
+                macro_rules! tile {
+                    ($r:literal) => {
+                        while first + $r <= nr {
+                            let r = r0 + first;
+                            let rows: [&[u8]; $r] =
+                                std::array::from_fn(|k| &data[(r + k) * rb..(r + k + 1) * rb]);
+                            let sc: [&[f32]; $r] = std::array::from_fn(|k| {
+                                &scales[(first + k) * per_row..(first + k + 1) * per_row]
+                            });
+                            // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA
+                            // were detected; `simd_shape` holds; each row is `row_bytes(cols)`
+                            // long, each scale slice holds the row's `cols / 32` block scales,
+                            // `xq` one input of `cols`, `o[first..first + R]` the outputs.
+                            unsafe {
+                                x86_avx512::rows_i16::<$r>(
+                                    kind,
+                                    rows,
+                                    sc,
+                                    xq,
+                                    cols,
+                                    &mut o[first..first + $r],
+                                )
+                            };
+                            first += $r;
+                        }
                     };
-                    first += 4;
                 }
+                tile!(8);
+                tile!(4);
             }
         }
         #[cfg(target_arch = "x86_64")]

@@ -662,30 +662,30 @@ pub unsafe fn row_i16(
     }
 }
 
-/// Four rows against one 16-bit input (matrix-vector products): `out[r] = dot(rows[r], x)`.
+/// `R` rows against one 16-bit input (matrix-vector products): `out[r] = dot(rows[r], x)`.
 ///
 /// # Safety
-/// As for [`row_i16`] with `n == 1`, for each of the four rows and their scales; `out` holds 4.
+/// As for [`row_i16`] with `n == 1`, for each of the `R` rows and their scales; `out` holds `R`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub unsafe fn rows4_i16(
+pub unsafe fn rows_i16<const R: usize>(
     kind: Kind,
-    rows: [&[u8]; 4],
-    scales: [&[f32]; 4],
+    rows: [&[u8]; R],
+    scales: [&[f32]; R],
     x: &I16Inputs,
     cols: usize,
     out: &mut [f32],
 ) {
     debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_bytes(cols)));
     let blocks = cols / BLOCK;
-    debug_assert!(x.hi.len() >= cols && x.lo.len() >= cols && out.len() >= 4);
+    debug_assert!(x.hi.len() >= cols && x.lo.len() >= cols && out.len() >= R);
     debug_assert!(scales.iter().all(|s| s.len() >= blocks));
-    let ws: [&[f32]; 4] = std::array::from_fn(|r| &scales[r][..blocks]);
-    let corr: [f32; 4] = std::array::from_fn(|r| -offset_excess(kind, ws[r], x, 0, blocks));
+    let ws: [&[f32]; R] = std::array::from_fn(|r| &scales[r][..blocks]);
+    let corr: [f32; R] = std::array::from_fn(|r| -offset_excess(kind, ws[r], x, 0, blocks));
     let (hi, lo, d) = (&x.hi[..cols], &x.lo[..cols], &x.d[..blocks]);
     macro_rules! go {
         ($c:ty) => {
-            // SAFETY: the caller's contract is the tile's; one input, four rows and outputs.
-            unsafe { i16_tile::<$c, 4, 1>(rows, ws, d, &corr, hi, lo, cols, out) }
+            // SAFETY: the caller's contract is the tile's; one input, `R` rows and outputs.
+            unsafe { i16_tile::<$c, R, 1>(rows, ws, d, &corr, hi, lo, cols, out) }
         };
     }
     match kind {
