@@ -47,6 +47,9 @@ macro_rules! f32_tile {
         ) {
             let $p = row.as_ptr();
             let xp = x.as_ptr();
+            // Bytes per column; the next row (usually the next one this task reads) is
+            // prefetched at the same position: a hint.
+            let (bpc, ahead) = (row.len() / cols, row.len());
             let mut acc = [[_mm512_setzero_ps(); 2]; N];
             let mut c = 0usize;
             // Two steps per iteration into separate accumulators (four chains per input), so
@@ -58,6 +61,7 @@ macro_rules! f32_tile {
                     // group end is at most `cols`), so the decode reads inside the row and the
                     // input loads read `x[t*cols + c ..][..32]` with `t < N`, inside `x`.
                     unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>($p.wrapping_add(c * bpc + ahead) as *const i8);
                         let w: [__m512; 2] = $decode;
                         for (t, g) in $g.iter_mut().enumerate() {
                             let xr = xp.add(t * cols + c);
@@ -114,6 +118,9 @@ macro_rules! f32_tile {
             out: &mut [f32],
         ) {
             let xp = x.as_ptr();
+            // Bytes per column, and how far ahead to prefetch (the next tile of `R` rows).
+            let bpc = rows[0].len() / cols;
+            let ahead = R * rows[0].len();
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
             let mut c = 0usize;
             for gi in 0..cols.div_ceil(group) {
@@ -127,6 +134,10 @@ macro_rules! f32_tile {
                         let x1 = _mm512_loadu_ps(xp.add(c + 16));
                         for (r, g) in g.iter_mut().enumerate() {
                             let $p = rows[r].as_ptr();
+                            // The same position `R` rows on (the next tile's rows): a hint.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                $p.wrapping_add(c * bpc + ahead) as *const i8
+                            );
                             let $c = c;
                             let w: [__m512; 2] = $decode;
                             g[0] = _mm512_fmadd_ps(w[0], x0, g[0]);
