@@ -83,6 +83,7 @@ macro_rules! f32_tile {
             out: &mut [f32],
         ) {
             let xp = x.as_ptr();
+            let ahead = R * rows[0].len();
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
             let mut c = 0usize;
             for gi in 0..cols.div_ceil(group) {
@@ -100,6 +101,10 @@ macro_rules! f32_tile {
                         ];
                         for r in 0..R {
                             let $p = rows[r].as_ptr();
+                            // The same position `R` rows on (the next tile's rows): a hint.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                $p.wrapping_add(c * rows[r].len() / cols + ahead) as *const i8,
+                            );
                             let $c = c;
                             let w: [__m256; 4] = $decode;
                             let w = if $scaled {
@@ -141,6 +146,8 @@ macro_rules! f32_tile {
         ) {
             let $p = row.as_ptr();
             let xp = x.as_ptr();
+            // The next row is prefetched at the same position: a hint.
+            let (rl, ahead) = (row.len(), row.len());
             let mut acc = [[_mm256_setzero_ps(); 4]; N];
             let mut c = 0usize;
             for &s in &scales[..cols.div_ceil(group)] {
@@ -153,6 +160,9 @@ macro_rules! f32_tile {
                     // is the format's for `cols` values) and the input loads below read
                     // `x[t*cols + c .. t*cols + c + 32]` with `t < N`, inside `x`.
                     unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            $p.wrapping_add(c * rl / cols + ahead) as *const i8
+                        );
                         let w: [__m256; 4] = $decode;
                         let w = if $scaled {
                             [
