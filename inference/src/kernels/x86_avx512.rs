@@ -503,12 +503,10 @@ unsafe fn i16_tile<C: Codes, const R: usize, const N: usize>(
                     let w4 = _mm_loadu_ps(ws[r].as_ptr().add(b));
                     for t in 0..N {
                         let [h0, h1, l0, l1] = x[t];
-                        // Two short chains (high and low plane) rather than one long one.
-                        let sh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ev, h0);
-                        let sh = _mm512_dpbusd_epi32(sh, od, h1);
-                        let sl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ev, l0);
-                        let sl = _mm512_dpbusd_epi32(sl, od, l1);
-                        let s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+                        let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ev, h0);
+                        let s = _mm512_dpbusd_epi32(s, od, h1);
+                        let s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), ev, l0);
+                        let s = _mm512_dpbusd_epi32(s, od, l1);
                         let d4 = _mm_loadu_ps(d.as_ptr().add(t * blocks + b));
                         let sv =
                             _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_mul_ps(w4, d4)));
