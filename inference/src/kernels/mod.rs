@@ -218,10 +218,11 @@ pub enum Inputs<'x> {
 
 /// Inputs quantized to 16 bits per 32-value block: `x ~ d[b] * (256 * hi + lo)`.
 ///
-/// Element order inside each input row ([`i16_slot`]): natural for Q8. For the 4-bit formats,
-/// each run of four blocks `4q..4q+4` (128 values, 64 packed bytes) is stored as the evens of
-/// the four blocks (16 each, block order) then their odds, the order one 64-byte load of
-/// nibbles splits into; blocks after the last whole run are stored evens then odds each.
+/// Element order inside each input row ([`i16_slot`]): each run of four blocks `4q..4q+4`
+/// (128 values) is stored as two halves of 64, each holding 16 values of every block in block
+/// order: for the 4-bit formats the evens then the odds (the order one 64-byte load of nibbles
+/// splits into), for Q8 the first 16 then the last 16 of each block. Blocks after the last
+/// whole run are stored one by one (4-bit: evens then odds; Q8: natural order).
 #[derive(Debug, Default)]
 pub struct I16Inputs {
     /// `[n, cols]` high bytes (`round(x / (amax / 127))`).
@@ -251,15 +252,16 @@ fn block_slot(kind: Kind, i: usize) -> usize {
 
 /// Position of element `i` (of a row of `cols`) in the [`I16Inputs`] order for `kind`.
 pub fn i16_slot(kind: Kind, cols: usize, i: usize) -> usize {
-    if !matches!(kind, Kind::Int4 { .. } | Kind::Mxfp4 { .. }) {
-        return i;
-    }
     let (b, e) = (i / BLOCK, i % BLOCK);
     let quads = cols / BLOCK / 4;
-    if b < quads * 4 {
-        (b / 4) * 4 * BLOCK + (e % 2) * 64 + (b % 4) * 16 + e / 2
-    } else {
-        b * BLOCK + block_slot(kind, e)
+    match kind {
+        Kind::Int4 { .. } | Kind::Mxfp4 { .. } if b < quads * 4 => {
+            (b / 4) * 4 * BLOCK + (e % 2) * 64 + (b % 4) * 16 + e / 2
+        }
+        Kind::Q8 { .. } if b < quads * 4 => {
+            (b / 4) * 4 * BLOCK + (e / 16) * 64 + (b % 4) * 16 + e % 16
+        }
+        _ => b * BLOCK + block_slot(kind, e),
     }
 }
 

@@ -293,10 +293,10 @@ trait Codes {
     const OFFSET: i32;
     /// Packed bytes of one 32-block.
     const BLOCK_BYTES: usize;
-    /// Whether [`Codes::quad`] applies (4-bit formats).
+    /// Whether [`Codes::quad`] applies.
     const QUAD: bool;
-    /// Blocks `b..b + 4` (64 packed bytes) as two zmm, the evens and the odds of the four
-    /// blocks; in both, lanes `4j..4j + 4` hold codes of block `b + j`.
+    /// Blocks `b..b + 4` as two zmm (4-bit: the evens and the odds of the four blocks; Q8:
+    /// their first and last 16 codes); in both, lanes `4j..4j + 4` hold codes of block `b + j`.
     ///
     /// # Safety
     /// AVX-512 F/BW available; blocks `b..b + 4` lie inside the row at `p`.
@@ -416,7 +416,25 @@ struct Q8Codes;
 impl Codes for Q8Codes {
     const OFFSET: i32 = 128;
     const BLOCK_BYTES: usize = 32;
-    const QUAD: bool = false;
+    const QUAD: bool = true;
+    /// The first 16 codes of blocks `b..b + 4`, then their last 16 (two 128-bit lane shuffles
+    /// of the 128 bytes), sign bits flipped.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn quad(p: *const u8, b: usize) -> (__m512i, __m512i) {
+        // SAFETY: the caller guarantees the 128 bytes of blocks b..b+4 are inside the row.
+        let (v1, v2) = unsafe {
+            (
+                _mm512_loadu_si512(p.add(b * 32) as *const __m512i),
+                _mm512_loadu_si512(p.add(b * 32 + 64) as *const __m512i),
+            )
+        };
+        let flip = _mm512_set1_epi8(-128);
+        (
+            _mm512_xor_si512(_mm512_shuffle_i64x2::<0x88>(v1, v2), flip),
+            _mm512_xor_si512(_mm512_shuffle_i64x2::<0xDD>(v1, v2), flip),
+        )
+    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn two(p: *const u8, b: usize) -> __m512i {
@@ -498,7 +516,11 @@ unsafe fn i16_tile<C: Codes, const R: usize, const N: usize>(
                     ]
                 });
                 for r in 0..R {
-                    _mm_prefetch::<_MM_HINT_T0>(p[r].wrapping_add(b * 16 + ahead) as *const i8);
+                    for line in (0..4 * C::BLOCK_BYTES).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            p[r].wrapping_add(b * C::BLOCK_BYTES + line + ahead) as *const i8,
+                        );
+                    }
                     let (ev, od) = C::quad(p[r], b);
                     let w4 = _mm_loadu_ps(ws[r].as_ptr().add(b));
                     for t in 0..N {
