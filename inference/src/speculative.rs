@@ -509,9 +509,6 @@ pub fn speculative_generate(
     };
     let mut ctl = KController::new(spec.max_k, spec.adaptive);
     let start = session.len();
-    if prompt.is_empty() && model.logits_from_recorded(session).is_none() {
-        return Err(InferenceError::EmptyInput);
-    }
     let chunk = if config.prefill_chunk == 0 {
         prompt.len().max(1)
     } else {

@@ -231,9 +231,8 @@ pub struct I16Inputs {
     pub lo: Vec<i8>,
     /// `[n, cols/32]` scales (of `256 * hi + lo`; halved for MXFP4's doubled codes).
     pub d: Vec<f32>,
-    /// `[n, cols/32]` sums of `256 * hi + lo` over each block (the kernels' offset correction).
-    pub sums: Vec<i32>,
-    /// `[n, cols/32]` `d * sums`, the same in f32 units.
+    /// `[n, cols/32]` each block's input sum, `d * sum(256 * hi + lo)` (the kernels' offset
+    /// correction).
     pub dsums: Vec<f32>,
 }
 
@@ -273,7 +272,6 @@ pub fn quantize_inputs_i16(kind: Kind, x: &[f32], cols: usize) -> I16Inputs {
         hi: vec![0; x.len()],
         lo: vec![0; x.len()],
         d: vec![0.0; blocks],
-        sums: vec![0; blocks],
         dsums: vec![0.0; blocks],
     };
     let extra = if matches!(kind, Kind::Mxfp4 { .. }) {
@@ -301,7 +299,6 @@ pub fn quantize_inputs_i16(kind: Kind, x: &[f32], cols: usize) -> I16Inputs {
             out.lo[dst] = l as i8;
             sum += 256 * h as i32 + l as i32;
         }
-        out.sums[b] = sum;
         out.dsums[b] = out.d[b] * sum as f32;
     }
     out
