@@ -54,16 +54,10 @@ enum BenchCommand {
 
 fn main() {
     let cli = Cli::parse();
-    let result = match &cli.command {
-        Command::Synth(a) => synth_cmd::run(a),
-        Command::Layout(a) => layout_cmd::run(a),
-        Command::Verify(a) => verify_cmd::run(a),
-        Command::Bench(BenchCommand::Io(a)) => bench_io::run(a),
-        Command::Bench(BenchCommand::Generate(a)) => bench_generate::run(a),
-        Command::Demo(a) => demo::run(a),
-        Command::Generate(a) => generate::run_generate(a),
-        Command::Logits(a) => generate::run_logits(a),
-    };
+    // The command runs on a rayon worker, so that the model's many parallel kernel calls per
+    // token start on a pool thread; from the main thread each call is handed to the pool and
+    // waits for a wake-up (benches/results/pool_dispatch.json).
+    let result = rayon::scope(|_| run(&cli.command));
     if let Err(e) = result {
         // Library errors already spell out their causes; print each link of the chain once.
         let mut msg = e.to_string();
@@ -76,5 +70,18 @@ fn main() {
         }
         eprintln!("error: {msg}");
         std::process::exit(1);
+    }
+}
+
+fn run(command: &Command) -> anyhow::Result<()> {
+    match command {
+        Command::Synth(a) => synth_cmd::run(a),
+        Command::Layout(a) => layout_cmd::run(a),
+        Command::Verify(a) => verify_cmd::run(a),
+        Command::Bench(BenchCommand::Io(a)) => bench_io::run(a),
+        Command::Bench(BenchCommand::Generate(a)) => bench_generate::run(a),
+        Command::Demo(a) => demo::run(a),
+        Command::Generate(a) => generate::run_generate(a),
+        Command::Logits(a) => generate::run_logits(a),
     }
 }

@@ -264,6 +264,14 @@ pub fn i16_slot(kind: Kind, cols: usize, i: usize) -> usize {
     }
 }
 
+/// Round to nearest (ties to even) for `|v| < 2^22`, in plain adds the compiler vectorizes:
+/// `f32::round` is a libm call on baseline x86_64, which costed more than the quantization.
+#[inline]
+fn round_small(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it leaves no fraction bits.
+    (v + MAGIC) - MAGIC
+}
+
 /// Quantize `x [n, cols]` (cols a multiple of 32) to 16-bit blocks for `kind`.
 pub fn quantize_inputs_i16(kind: Kind, x: &[f32], cols: usize) -> I16Inputs {
     debug_assert_eq!(cols % BLOCK, 0);
@@ -279,6 +287,12 @@ pub fn quantize_inputs_i16(kind: Kind, x: &[f32], cols: usize) -> I16Inputs {
     } else {
         1.0
     };
+    // Where each element of a block goes relative to the block's element 0: the same for
+    // every block of a run of four (and for every block after the runs).
+    let quads = cols / BLOCK / 4;
+    let in_run: [usize; BLOCK] = std::array::from_fn(|e| i16_slot(kind, cols, e));
+    let single: [usize; BLOCK] = std::array::from_fn(|e| block_slot(kind, e) - block_slot(kind, 0));
+    let per_row = cols / BLOCK;
     for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let s = amax / 127.0;
@@ -288,16 +302,23 @@ pub fn quantize_inputs_i16(kind: Kind, x: &[f32], cols: usize) -> I16Inputs {
             (0.0, 0.0)
         };
         out.d[b] = s / 256.0 * extra;
-        let mut sum = 0i32;
-        for (i, &v) in xb.iter().enumerate() {
-            let h = (v * inv).round().clamp(-127.0, 127.0);
+        let mut h = [0f32; BLOCK];
+        let mut l = [0f32; BLOCK];
+        for ((h, l), &v) in h.iter_mut().zip(&mut l).zip(xb) {
+            *h = round_small(v * inv).clamp(-127.0, 127.0);
             // |v - h*s| <= s/2, so the remainder is within +-128 steps of s/256 (clamped).
-            let l = ((v - h * s) * inv_lo).round().clamp(-127.0, 127.0);
-            let row_start = (b * BLOCK / cols) * cols;
-            let dst = row_start + i16_slot(kind, cols, b * BLOCK - row_start + i);
-            out.hi[dst] = h as i8;
-            out.lo[dst] = l as i8;
-            sum += 256 * h as i32 + l as i32;
+            *l = round_small((v - *h * s) * inv_lo).clamp(-127.0, 127.0);
+        }
+        let (row, bi) = (b / per_row, b % per_row);
+        let base = row * cols + i16_slot(kind, cols, bi * BLOCK);
+        let rel = if bi < quads * 4 { &in_run } else { &single };
+        let mut sum = 0i32;
+        for e in 0..BLOCK {
+            // `as` saturates NaN to 0: a NaN input gives a zero code, not UB.
+            let (hq, lq) = (h[e] as i8, l[e] as i8);
+            out.hi[base + rel[e]] = hq;
+            out.lo[base + rel[e]] = lq;
+            sum += 256 * hq as i32 + lq as i32;
         }
         out.dsums[b] = out.d[b] * sum as f32;
     }
@@ -326,7 +347,7 @@ pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
         let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
         *db = s * extra;
         for (i, &v) in xb.iter().enumerate() {
-            qb[block_slot(kind, i)] = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            qb[block_slot(kind, i)] = round_small(v * inv).clamp(-127.0, 127.0) as i8;
         }
     }
     Inputs::I8 { q, d }
@@ -336,43 +357,70 @@ pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
 /// vectorizes (F16 through F16C when available): this runs once per task, not per weight, but
 /// a per-element `match` here costed as much as the INT4 kernel itself.
 fn scales_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>) {
+    let start = out.len();
+    let count = match st {
+        ScaleType::None => 0,
+        ScaleType::E8m0 => bytes.len(),
+        ScaleType::F16 | ScaleType::Bf16 => bytes.len() / 2,
+        ScaleType::F32 => bytes.len() / 4,
+    };
+    out.resize(start + count, 0.0);
+    let out = &mut out[start..];
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && matches!(st, ScaleType::E8m0 | ScaleType::Bf16) {
+        // SAFETY: `Isa::Avx512` means AVX-512 F/BW were detected; `out` holds exactly one
+        // value per scale in `bytes`.
+        unsafe {
+            match st {
+                ScaleType::E8m0 => x86_avx512::e8m0_to_f32(bytes, out),
+                _ => x86_avx512::bf16_to_f32(bytes, out),
+            }
+        }
+        return;
+    }
     match st {
         ScaleType::None => {}
-        ScaleType::F32 => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        ),
-        ScaleType::Bf16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
-        ),
-        ScaleType::E8m0 => out.extend(bytes.iter().map(|&e| {
-            let bits = match e {
-                0 => 0x0040_0000,
-                255 => 0x7fc0_0000,
-                e => (e as u32) << 23,
-            };
-            f32::from_bits(bits)
-        })),
+        ScaleType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        ScaleType::Bf16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+            }
+        }
+        ScaleType::E8m0 => {
+            for (o, &e) in out.iter_mut().zip(bytes) {
+                *o = f32::from_bits(e8m0_bits(e));
+            }
+        }
         ScaleType::F16 => {
             #[cfg(target_arch = "x86_64")]
             if isa.has_avx2() {
-                let start = out.len();
-                out.resize(start + bytes.len() / 2, 0.0);
-                // SAFETY: Avx2 implies F16C was detected; `out[start..]` holds exactly
+                // SAFETY: Avx2 implies F16C was detected; `out` holds exactly
                 // `bytes.len() / 2` values.
-                unsafe { x86::f16_to_f32(bytes, &mut out[start..]) };
+                unsafe { x86::f16_to_f32(bytes, out) };
                 return;
             }
             let _ = isa;
-            out.extend(
-                bytes
-                    .chunks_exact(2)
-                    .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()),
-            )
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+            }
         }
+    }
+}
+
+/// The f32 bits of an OCP e8m0 scale `2^(e - 127)`: 0 is the subnormal 2^-127, 255 is NaN.
+/// Written with selects so that loops over it vectorize.
+#[inline]
+pub(crate) fn e8m0_bits(e: u8) -> u32 {
+    let e = e as u32;
+    let bits = if e == 0 { 0x0040_0000 } else { e << 23 };
+    if e == 255 {
+        0x7fc0_0000
+    } else {
+        bits
     }
 }
 
@@ -401,13 +449,48 @@ fn row_scales(isa: Isa, m: &WeightMatrix<'_>, r0: usize, r1: usize, out: &mut Ve
                 scales_to_f32(isa, st, &scale[base * sz..(base + sc) * sz], out);
             }
         }
+        WeightFormat::Int4Group { .. } | WeightFormat::Mxfp4 { .. } | WeightFormat::Q8 { .. } => {
+            scales_to_f32(isa, st, group_scale_bytes(m, r0, r1), out);
+        }
+    }
+}
+
+/// The scale bytes of rows `r0..r1` of a per-group format (INT4, MXFP4, Q8); empty otherwise.
+fn group_scale_bytes<'m>(m: &WeightMatrix<'m>, r0: usize, r1: usize) -> &'m [u8] {
+    let sz = match m.scale_type() {
+        ScaleType::None => 0,
+        ScaleType::E8m0 => 1,
+        ScaleType::F16 | ScaleType::Bf16 => 2,
+        ScaleType::F32 => 4,
+    };
+    match m.format() {
         WeightFormat::Int4Group { group }
         | WeightFormat::Mxfp4 { group }
         | WeightFormat::Q8 { group } => {
-            let g = cols.div_ceil(group);
-            scales_to_f32(isa, st, &scale[r0 * g * sz..r1 * g * sz], out);
+            let g = m.cols().div_ceil(group);
+            let rows = m.rows();
+            &m.scale_bytes()[r0.min(rows) * g * sz..r1.min(rows) * g * sz]
         }
+        _ => &[],
     }
+}
+
+/// Hints the CPU to bring `bytes` into L2. Each task converts its rows' scales in one short
+/// pass before its kernel, too short for the hardware prefetcher to ramp up: fetching the
+/// next task's scales while this one computes took that pass off the DRAM latency.
+fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..bytes.len()).step_by(64) {
+        // SAFETY: SSE is part of the x86_64 baseline; a prefetch is a hint that neither
+        // faults nor changes memory, and `line` is inside `bytes`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                bytes[line..].as_ptr() as *const i8,
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// One row against `n` inputs: `out[t] = dot(W[row], x[t])`.
@@ -509,6 +592,7 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
         let nr = o.len() / n;
         let mut scales = Vec::new();
         row_scales(isa, m, r0, r0 + nr, &mut scales);
+        prefetch_l2(group_scale_bytes(m, r0 + nr, r0 + 2 * nr));
         let group = kind.group(cols);
         if !matches!(xin, Inputs::F32(_)) && group != BLOCK {
             // The integer kernels take one scale per 32-block.
@@ -644,5 +728,97 @@ pub fn gate_up_silu(
     );
     for ((o, &g), &u) in out.iter_mut().zip(&g).zip(&u) {
         *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each ISA's scale conversion equals the per-value definition bit for bit, for every
+    /// e8m0 code (0 and 255 included) and bf16 patterns with NaNs, at lengths covering the
+    /// vector bodies and their tails.
+    #[test]
+    fn scale_conversions_match_the_definitions() {
+        let e8m0: Vec<u8> = (0..3).flat_map(|_| 0..=255u8).collect();
+        let bf16: Vec<u8> = (0..700u32)
+            .flat_map(|i| {
+                let bits = match i % 7 {
+                    0 => 0x7fc1,
+                    1 => 0xff80,
+                    2 => 0x0001,
+                    _ => (i.wrapping_mul(0x9e37) >> 3) as u16,
+                };
+                bits.to_le_bytes()
+            })
+            .collect();
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon] {
+            if !isa.available() {
+                continue;
+            }
+            for len in (0..40).chain([255, 256, 300, 512]) {
+                for start in [0usize, 1, 5] {
+                    let bytes = &e8m0[start..start + len];
+                    let mut got = vec![1.0f32];
+                    scales_to_f32(isa, ScaleType::E8m0, bytes, &mut got);
+                    assert_eq!(got.len(), 1 + len);
+                    for (i, (&g, &e)) in got[1..].iter().zip(bytes).enumerate() {
+                        let want = if e == 0 {
+                            2f32.powi(-127)
+                        } else if e == 255 {
+                            f32::NAN
+                        } else {
+                            2f32.powi(e as i32 - 127)
+                        };
+                        assert_eq!(g.to_bits(), want.to_bits(), "{isa:?} e8m0 {e} at {i}");
+                    }
+                    let bytes = &bf16[2 * start..2 * (start + len)];
+                    let mut got = Vec::new();
+                    scales_to_f32(isa, ScaleType::Bf16, bytes, &mut got);
+                    assert_eq!(got.len(), len);
+                    for (g, b) in got.iter().zip(bytes.chunks_exact(2)) {
+                        let want = half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                        assert_eq!(g.to_bits(), want.to_f32().to_bits(), "{isa:?} bf16 {b:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 16-bit inputs rebuild each value within one low step (half a step of rounding; the
+    /// low byte's clamp to +-127 can add the other half), in the documented order.
+    #[test]
+    fn i16_inputs_rebuild_the_values() {
+        for kind in [
+            Kind::Int4 { group: 32 },
+            Kind::Mxfp4 { group: 32 },
+            Kind::Q8 { group: 32 },
+        ] {
+            for cols in [32, 64, 128, 160, 224, 288] {
+                let n = 3;
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 9 == 0 { 10.0 } else { 0.1 })
+                    .collect();
+                let q = quantize_inputs_i16(kind, &x, cols);
+                let extra = if matches!(kind, Kind::Mxfp4 { .. }) {
+                    0.5
+                } else {
+                    1.0
+                };
+                for t in 0..n {
+                    for i in 0..cols {
+                        let b = (t * cols + i) / BLOCK;
+                        let slot = t * cols + i16_slot(kind, cols, i);
+                        let v = (256.0 * q.hi[slot] as f32 + q.lo[slot] as f32) * q.d[b] / extra;
+                        let step = q.d[b] / extra;
+                        let want = x[t * cols + i];
+                        assert!(
+                            (v - want).abs() <= step + want.abs() * 1e-6,
+                            "{kind:?} cols {cols} t {t} i {i}: {v} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }
