@@ -761,9 +761,6 @@ pub unsafe fn rows_i16<const R: usize>(
     }
 }
 
-/// How far ahead (bytes) the scale conversions prefetch.
-const SCALE_PREFETCH: usize = 2048;
-
 /// `out[i] = 2^(bytes[i] - 127)` (OCP e8m0: 0 is 2^-127, 255 NaN) for every `out`.
 ///
 /// # Safety
@@ -773,13 +770,6 @@ pub unsafe fn e8m0_to_f32(bytes: &[u8], out: &mut [f32]) {
     let n = out.len();
     let mut i = 0;
     while i + 16 <= n {
-        if i % 64 == 0 {
-            // A pass over one task's scales is too short for the hardware prefetcher to ramp
-            // up: without this the loads stalled on DRAM (8 GB/s).
-            _mm_prefetch::<_MM_HINT_T0>(
-                bytes.as_ptr().wrapping_add(i + SCALE_PREFETCH) as *const i8
-            );
-        }
         // SAFETY: `i + 16 <= n <= bytes.len()`: 16 bytes and 16 floats from `i`.
         unsafe {
             let e = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes.as_ptr().add(i) as *const __m128i));
@@ -806,12 +796,6 @@ pub unsafe fn bf16_to_f32(bytes: &[u8], out: &mut [f32]) {
     let n = out.len();
     let mut i = 0;
     while i + 16 <= n {
-        if i % 32 == 0 {
-            // As for `e8m0_to_f32`.
-            _mm_prefetch::<_MM_HINT_T0>(
-                bytes.as_ptr().wrapping_add(2 * i + SCALE_PREFETCH) as *const i8
-            );
-        }
         // SAFETY: `i + 16 <= n`: 32 bytes from `2i` and 16 floats from `i`.
         unsafe {
             let h = _mm256_loadu_si256(bytes.as_ptr().add(2 * i) as *const __m256i);
@@ -823,4 +807,82 @@ pub unsafe fn bf16_to_f32(bytes: &[u8], out: &mut [f32]) {
     for (o, b) in out[i..].iter_mut().zip(bytes[2 * i..].chunks_exact(2)) {
         *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
     }
+}
+
+/// One 32-block of [`super::quantize_inputs_i16`]: the same bytes as its portable loop (the
+/// same operations in the same order, rounding to nearest even), written to the block's two
+/// runs of 16 slots from `base`; returns `(d, dsum)`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL available; `xb.len() == 32`; `base + runs.run_b + 16 <= hi.len()` and
+/// the same for `lo`, with run A (`base..base + 16`) inside too.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub unsafe fn quantize_block_i16(
+    xb: &[f32],
+    extra: f32,
+    runs: &super::BlockRuns,
+    base: usize,
+    hi: &mut [i8],
+    lo: &mut [i8],
+) -> (f32, f32) {
+    debug_assert!(xb.len() == BLOCK && base + runs.run_b + 16 <= hi.len().min(lo.len()));
+    // SAFETY: `xb` holds 32 floats.
+    let (v0, v1) = unsafe {
+        (
+            _mm512_loadu_ps(xb.as_ptr()),
+            _mm512_loadu_ps(xb.as_ptr().add(16)),
+        )
+    };
+    // With a NaN in the block the portable `fold(0, max)` (which skips NaNs) decides: a
+    // vector max would keep or drop a NaN depending on its lane.
+    let amax = if _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v0, v1) != 0 {
+        xb.iter().fold(0f32, |m, v| m.max(v.abs()))
+    } else {
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)))
+    };
+    let s = amax / 127.0;
+    let (inv, inv_lo) = super::i16_inverses(s);
+    let (vs, vinv, vinv_lo) = (
+        _mm512_set1_ps(s),
+        _mm512_set1_ps(inv),
+        _mm512_set1_ps(inv_lo),
+    );
+    let (lim_lo, lim_hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    // `max(lim, q)` returns `q` when `q` is NaN: NaN stays NaN, as in `f32::clamp`.
+    let clamp = |q: __m512| _mm512_min_ps(lim_hi, _mm512_max_ps(lim_lo, q));
+    let split = |v: __m512| {
+        let h = clamp(_mm512_roundscale_ps::<RNE>(_mm512_mul_ps(v, vinv)));
+        let r = _mm512_sub_ps(v, _mm512_mul_ps(h, vs));
+        let l = clamp(_mm512_roundscale_ps::<RNE>(_mm512_mul_ps(r, vinv_lo)));
+        // NaN lanes become 0, as the scalar `as i8` makes them.
+        let clean = |q: __m512| _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(q, q), q);
+        (clean(h), clean(l))
+    };
+    let (h0, l0) = split(v0);
+    let (h1, l1) = split(v1);
+    // SAFETY: `runs.src` holds 32 indices < 32: the two-source permute's index vectors.
+    let (ia, ib) = unsafe {
+        let idx = _mm256_loadu_si256(runs.src.as_ptr() as *const __m256i);
+        (
+            _mm512_cvtepu8_epi32(_mm256_castsi256_si128(idx)),
+            _mm512_cvtepu8_epi32(_mm256_extracti128_si256::<1>(idx)),
+        )
+    };
+    let sum = _mm512_add_epi32(
+        _mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0),
+        _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1),
+    );
+    let sum = _mm512_reduce_add_epi32(sum);
+    for (codes, out) in [((h0, h1), hi), ((l0, l1), lo)] {
+        let a = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(codes.0, ia, codes.1));
+        let b = _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(codes.0, ib, codes.1));
+        // SAFETY: both runs of 16 bytes are inside `out` (the caller's contract).
+        unsafe {
+            _mm_storeu_si128(out.as_mut_ptr().add(base) as *mut __m128i, a);
+            _mm_storeu_si128(out.as_mut_ptr().add(base + runs.run_b) as *mut __m128i, b);
+        }
+    }
+    let d = s / 256.0 * extra;
+    (d, d * sum as f32)
 }
