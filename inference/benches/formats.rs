@@ -1,8 +1,10 @@
 //! Weight-format kernels against the machine's memory bandwidth, in one criterion run:
 //! `cargo bench -p deltafin-inference --bench formats` (filter e.g. `-- mxfp4`).
 //!
-//! - `membw/read`: a streaming read (8 u64 accumulators) of a 1 GiB buffer, single-threaded and
-//!   with all threads (rayon, one chunk per thread): the memory-read bandwidth to compare with.
+//! - `membw/read`: a streaming read (8 u64 accumulators, software prefetch 4 KiB ahead) of a
+//!   1 GiB buffer, single-threaded and with all threads (rayon, one chunk per thread): the
+//!   memory-read bandwidth to compare with. `--bench membw_ratio` measures the same ratios
+//!   in interleaved pairs, which the host's drifting bandwidth disturbs less.
 //! - `matvec/<format>/<rows>x<cols>/<act>/<threads>`: one matvec per iteration over a ring of
 //!   matrices (experts) totalling >= 384 MiB of weights, so every iteration streams its weights
 //!   from DRAM, not from the 32 MiB L3. Throughput = weight + scale bytes consumed per second.
@@ -17,117 +19,12 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use deltafin_inference::kernels::{self, quant, Act, Isa};
-use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
+
+mod common;
+use common::{make, pool, pseudo, quick, stream_read, threads_all};
+use deltafin_inference::kernels::{self, Act, Isa};
+use deltafin_inference::linear::WeightMatrix;
 use rayon::prelude::*;
-
-fn quick() -> bool {
-    std::env::var("DELTAFIN_BENCH_QUICK").is_ok()
-}
-
-/// A packed matrix's bytes (one expert); the ring repeats `copies` distinct buffers.
-struct Packed {
-    name: &'static str,
-    format: WeightFormat,
-    scale_type: ScaleType,
-    data: Vec<u8>,
-    scale: Vec<u8>,
-}
-
-fn pseudo(i: usize) -> f32 {
-    // Deterministic, roughly normal-looking weights.
-    let h = (i as u64)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .rotate_left(17)
-        .wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    ((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.05
-}
-
-fn make(name: &'static str, rows: usize, cols: usize) -> Packed {
-    let w: Vec<f32> = (0..rows * cols).map(pseudo).collect();
-    match name {
-        "bf16" => Packed {
-            name,
-            format: WeightFormat::Bf16,
-            scale_type: ScaleType::None,
-            data: w
-                .iter()
-                .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
-                .collect(),
-            scale: Vec::new(),
-        },
-        "fp8" => {
-            let (br, bc) = (128, 128);
-            let scales = rows.div_ceil(br) * cols.div_ceil(bc);
-            Packed {
-                name,
-                format: WeightFormat::Fp8Block {
-                    block_rows: br,
-                    block_cols: bc,
-                },
-                scale_type: ScaleType::F32,
-                // Any e4m3 code but the NaNs.
-                data: (0..rows * cols)
-                    .map(|i| (pseudo(i).to_bits() as u8) & 0xf7)
-                    .collect(),
-                scale: (0..scales).flat_map(|_| 1e-3f32.to_le_bytes()).collect(),
-            }
-        }
-        "int4" => {
-            let q = quant::quantize_int4(&w, rows, cols, 32);
-            Packed {
-                name,
-                format: WeightFormat::Int4Group { group: 32 },
-                scale_type: ScaleType::Bf16,
-                data: q.data,
-                scale: q.scale,
-            }
-        }
-        "mxfp4" => {
-            let q = quant::quantize_mxfp4(&w, rows, cols, 32);
-            Packed {
-                name,
-                format: WeightFormat::Mxfp4 { group: 32 },
-                scale_type: ScaleType::E8m0,
-                data: q.data,
-                scale: q.scale,
-            }
-        }
-        "q8" => {
-            let q = quant::quantize_q8(&w, rows, cols, 32);
-            Packed {
-                name,
-                format: WeightFormat::Q8 { group: 32 },
-                scale_type: ScaleType::F16,
-                data: q.data,
-                scale: q.scale,
-            }
-        }
-        _ => unreachable!("unknown format {name}"),
-    }
-}
-
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("rayon pool")
-}
-
-fn threads_all() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-#[inline(never)]
-fn stream_read(buf: &[u64]) -> u64 {
-    let mut acc = [0u64; 8];
-    for c in buf.chunks_exact(8) {
-        for j in 0..8 {
-            acc[j] = acc[j].wrapping_add(c[j]);
-        }
-    }
-    acc.iter().fold(0, |a, &b| a ^ b)
-}
 
 fn membw(c: &mut Criterion) {
     let bytes: usize = if quick() { 256 << 20 } else { 1 << 30 };

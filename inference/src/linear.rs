@@ -59,7 +59,7 @@ pub enum ScaleType {
 }
 
 impl ScaleType {
-    fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             ScaleType::None => 0,
             ScaleType::F32 => 4,

@@ -164,10 +164,13 @@ fn shapes(name: &str) -> Vec<(usize, usize)> {
     // (9, 4608): an input longer than 16 KiB, which takes the four-row matrix-vector tile.
     // (7, 96) and (5, 224): 3 and 7 32-blocks (the AVX-512 integer kernels' pair and
     // single-block tails after runs of four).
-    let mut s = vec![(37, 256), (130, 320), (9, 4608)];
+    // (11, 736): 23 blocks, a whole group of 16 (the AVX-512 16-bit kernels convert weight
+    // scales 16 blocks at a time) and a masked tail of 7; (3, 1408): 44 blocks.
+    let mut s = vec![(37, 256), (130, 320), (9, 4608), (3, 1408)];
     if name != "int4g64" {
         s.push((7, 96));
         s.push((5, 224));
+        s.push((11, 736));
     }
     if !integer(name) {
         s.push((5, 72));
@@ -376,5 +379,51 @@ fn fused_gate_up_silu_matches_separate() {
     for i in 0..3 * 96 {
         let want = a[i] / (1.0 + (-a[i]).exp()) * b[i];
         assert!((fused[i] - want).abs() <= 1e-6 * (1.0 + want.abs()));
+    }
+}
+
+/// MXFP4 scale bytes 0 (2^-127), 255 (NaN), 200 and 1: every SIMD path gives the reference's
+/// NaN rows and finite rows within the usual budget, whether the kernel converts the scale
+/// bytes itself (matrix-vector tiles) or takes converted scales (matrix products).
+#[test]
+fn mxfp4_special_scales_match_reference() {
+    let (rows, cols) = (19, 736);
+    let mut mat = make("mxfp4", rows, cols, 11);
+    let blocks = cols / 32;
+    // Row 2: a NaN scale; rows 3 and 17: the smallest scale in a full group and in the tail;
+    // row 5: 2^73 and 2^-126 (2^127 overflows to inf in the reference and, through the offset
+    // correction, to NaN in the 16-bit kernels).
+    mat.scale[2 * blocks + 20] = 255;
+    mat.scale[3 * blocks + 4] = 0;
+    mat.scale[17 * blocks + 22] = 0;
+    mat.scale[5 * blocks] = 200;
+    mat.scale[5 * blocks + 17] = 1;
+    // Row 7: every scale 2^-127, a subnormal: the outputs are tiny but not zero.
+    mat.scale[7 * blocks..8 * blocks].fill(0);
+    let m = mat.view();
+    for n in [1, 3] {
+        let x = inputs(n, cols, 12);
+        let want = run(Isa::Scalar, &m, &x, n, Act::I16);
+        for isa in simd_isas() {
+            let got = run(isa, &m, &x, n, Act::I16);
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                let r = i % rows;
+                if r == 2 {
+                    assert!(g.is_nan() && w.is_nan(), "{isa:?} n={n} row 2: {g} {w}");
+                } else if r == 7 {
+                    assert!(w != 0.0 && w.abs() < 1e-30, "reference row 7: {w}");
+                    assert!(
+                        g != 0.0 && g.signum() == w.signum(),
+                        "{isa:?} n={n} row 7: {g} {w}"
+                    );
+                } else {
+                    let budget = 1e-5 * (w.abs() as f64 + 1.0) * 1e3;
+                    assert!(
+                        ((g - w).abs() as f64) <= budget,
+                        "{isa:?} n={n} i={i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -625,7 +625,17 @@ fn row_dot(
             if simd && isa == Isa::Avx512 {
                 // SAFETY: as above; `x` holds `n*cols` codes per plane and `n*cols/32` scales
                 // and sums, checked by `matmul`.
-                unsafe { x86_avx512::row_i16(kind, row, scales, x, cols, n, out) };
+                unsafe {
+                    x86_avx512::row_i16(
+                        kind,
+                        row,
+                        x86_avx512::BlockScales::F32(scales),
+                        x,
+                        cols,
+                        n,
+                        out,
+                    )
+                };
                 return;
             }
             scalar::row_i16(kind, row, scales, x, cols, n, out)
@@ -678,14 +688,6 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
                     .collect();
             }
         };
-        let mut scales = Vec::new();
-        scales_of(0, nr, &mut scales);
-        // One conversion pass per task: ask for the next task's scales now, or that pass
-        // stalls on DRAM, too short for the hardware prefetcher to ramp up (converting per
-        // tile instead, after prefetching the next tile's, measured slower: 16.5-18 vs 23
-        // GiB/s for MXFP4 2048x7168).
-        prefetch_l2(group_scale_bytes(m, r0 + nr, r0 + 2 * nr));
-        let per_row = scales.len() / nr;
         #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut first = 0;
         // Matrix-vector products with a long `x` (over half of a 32 KiB L1 data cache): four
@@ -695,23 +697,32 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
         // for FP8 on AVX-512, whose decode leaves fewer spare loads (22.3 vs 19.9 GiB/s at
         // 7168x2048). The AVX-512 tiles prefetch the next tile's rows in software.
         #[cfg(target_arch = "x86_64")]
-        if n == 1 && isa == Isa::Avx512 && kind.simd_shape(cols) {
-            // Loads bound the AVX-512 integer kernels: four rows share each input load.
+        if n == 1 && isa == Isa::Avx512 && kind.simd_shape(cols) && group == BLOCK {
             if let Inputs::I16(xq) = &xin {
-                // Eight rows at a time, then four, share each input load.
+                // Eight rows at a time, then four, share each input load. The tiles read the
+                // matrix's scale bytes themselves: a separate conversion pass per task stalled
+                // on DRAM (6-14% of the INT4 / MXFP4 / Q8 matvec time, prefetching or not).
+                let st = m.scale_type();
+                let sb = group_scale_bytes(m, r0, r0 + nr);
+                let per_row = sb.len() / nr;
                 macro_rules! tile {
                     ($r:literal) => {
                         while first + $r <= nr {
                             let r = r0 + first;
                             let rows: [&[u8]; $r] =
                                 std::array::from_fn(|k| &data[(r + k) * rb..(r + k + 1) * rb]);
-                            let sc: [&[f32]; $r] = std::array::from_fn(|k| {
-                                &scales[(first + k) * per_row..(first + k + 1) * per_row]
+                            let sc: [x86_avx512::BlockScales<'_>; $r] = std::array::from_fn(|k| {
+                                let i = first + k;
+                                x86_avx512::BlockScales::Raw(
+                                    &sb[i * per_row..(i + 1) * per_row],
+                                    st,
+                                )
                             });
                             // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA
                             // were detected; `simd_shape` holds; each row is `row_bytes(cols)`
-                            // long, each scale slice holds the row's `cols / 32` block scales,
-                            // `xq` one input of `cols`, `o[first..first + R]` the outputs.
+                            // long, each scale slice holds the row's `cols / 32` block scales
+                            // (group 32) in the matrix's type, `xq` one input of `cols`,
+                            // `o[first..first + R]` the outputs.
                             unsafe {
                                 x86_avx512::rows_i16::<$r>(
                                     kind,
@@ -730,6 +741,16 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
                 tile!(4);
             }
         }
+        // The other rows' scales as f32: `scales[(i - s0) * per_row..]` for task row `i`.
+        let s0 = first;
+        let mut scales = Vec::new();
+        scales_of(s0, nr, &mut scales);
+        if s0 == 0 {
+            // One conversion pass for the task: ask for the next task's scales now, or that
+            // pass stalls on DRAM, too short for the hardware prefetcher to ramp up.
+            prefetch_l2(group_scale_bytes(m, r0 + nr, r0 + 2 * nr));
+        }
+        let per_row = scales.len() / (nr - s0).max(1);
         #[cfg(target_arch = "x86_64")]
         if n == 1
             && (cols * 4 > 16 << 10 || (isa == Isa::Avx512 && matches!(kind, Kind::Fp8 { .. })))
@@ -740,7 +761,10 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
                 while first + 4 <= nr {
                     let r = r0 + first;
                     let row = |k: usize| &data[(r + k) * rb..(r + k + 1) * rb];
-                    let sc = |k: usize| &scales[(first + k) * per_row..(first + k + 1) * per_row];
+                    let sc = |k: usize| {
+                        let i = first + k - s0;
+                        &scales[i * per_row..(i + 1) * per_row]
+                    };
                     let rows4 = [row(0), row(1), row(2), row(3)];
                     let sc4 = [sc(0), sc(1), sc(2), sc(3)];
                     let o4 = &mut o[first..first + 4];
@@ -765,7 +789,7 @@ pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mu
                 isa,
                 kind,
                 &data[r * rb..(r + 1) * rb],
-                &scales[i * per_row..(i + 1) * per_row],
+                &scales[(i - s0) * per_row..(i - s0 + 1) * per_row],
                 &xin,
                 cols,
                 n,

@@ -20,6 +20,7 @@ use std::arch::x86_64::*;
 
 use super::scalar::MXFP4_X2;
 use super::{I16Inputs, Kind, BLOCK};
+use crate::linear::ScaleType;
 
 /// Whether [`row_f32`] / [`rows4_f32`] take `kind` (the others run the AVX2 kernels).
 pub fn supports_f32(kind: Kind) -> bool {
@@ -451,62 +452,237 @@ impl Codes for Q8Codes {
     }
 }
 
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-fn hsum256(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    _mm_cvtss_f32(s)
+/// Where a tile's per-block weight scales come from: f32 values, or the matrix's own scale
+/// bytes, converted in the kernel 16 blocks at a time (no separate conversion pass, which
+/// stalled on DRAM once per task).
+trait ScaleSrc<const R: usize>: Copy {
+    /// Scales of blocks `b..b + 16` of row `r`.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL available; blocks `b..b + 16` exist in row `r`'s scales.
+    unsafe fn load16(self, r: usize, b: usize) -> __m512;
+    /// Scales of blocks `b..b + n` (`n < 16`) of row `r`, zeros after.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL available; blocks `b..b + n` exist in row `r`'s scales.
+    unsafe fn load_part(self, r: usize, b: usize, n: usize) -> __m512;
+    /// Address of row `r`'s scale of block `b` (a prefetch hint only: not read).
+    fn addr(self, r: usize, b: usize) -> *const i8;
 }
 
-/// `R` rows against `N` 16-bit inputs (`R == 1` or `N == 1`): per run of four 32-blocks (4-bit
-/// formats) or pair of blocks, each input's planes are loaded once for all rows (zmm loads, not
-/// arithmetic, bound these loops), two `vpdpbusd` per plane pair, the block scales (weight x
-/// input) multiplied in a 128-bit register and spread over each block's lanes, and two
-/// accumulators per output (alternate steps) so the FMA latency does not bound the loop. Each
-/// output is summed in the same order whatever `R` and `N` are. The offset correction is added
-/// at the end; `out[r * N + t]`.
+/// f32 scales (converted by the caller: groups of 64 or 128 spread over 32-blocks).
+#[derive(Clone, Copy)]
+struct F32Scales<const R: usize>([*const f32; R]);
+impl<const R: usize> ScaleSrc<R> for F32Scales<R> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(self, r: usize, b: usize) -> __m512 {
+        // SAFETY: the caller guarantees the 16 scales exist.
+        unsafe { _mm512_loadu_ps(self.0[r].add(b)) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_part(self, r: usize, b: usize, n: usize) -> __m512 {
+        // SAFETY: the mask enables the `n` existing scales only.
+        unsafe { _mm512_maskz_loadu_ps(lanes(n), self.0[r].add(b)) }
+    }
+    fn addr(self, r: usize, b: usize) -> *const i8 {
+        self.0[r].wrapping_add(b) as *const i8
+    }
+}
+
+/// Raw scale bytes of type `T` per row.
+#[derive(Clone, Copy)]
+struct RawScales<T: RawScale, const R: usize>([*const u8; R], std::marker::PhantomData<T>);
+
+/// A scale encoding the kernels convert in registers.
+trait RawScale: Copy {
+    const SIZE: usize;
+    /// # Safety
+    /// AVX-512 F/BW/VL available; `16 * SIZE` bytes at `p` readable.
+    unsafe fn load16(p: *const u8) -> __m512;
+    /// # Safety
+    /// AVX-512 F/BW/VL available; `n * SIZE` bytes at `p` readable, `n < 16`.
+    unsafe fn load_part(p: *const u8, n: usize) -> __m512;
+}
+
+#[derive(Clone, Copy)]
+struct E8m0Scale;
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+fn e8m0_lanes(e: __m128i) -> __m512 {
+    let e = _mm512_cvtepu8_epi32(e);
+    let bits = _mm512_slli_epi32(e, 23);
+    let zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    let nan = _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255));
+    let bits = _mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(0x0040_0000));
+    _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+        bits,
+        nan,
+        _mm512_set1_epi32(0x7fc0_0000),
+    ))
+}
+impl RawScale for E8m0Scale {
+    const SIZE: usize = 1;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(p: *const u8) -> __m512 {
+        // SAFETY: the caller guarantees 16 bytes at `p`.
+        e8m0_lanes(unsafe { _mm_loadu_si128(p as *const __m128i) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_part(p: *const u8, n: usize) -> __m512 {
+        // SAFETY: the mask enables the `n` existing bytes only; the zeros after convert to
+        // 2^-127 scales of blocks that are never used.
+        e8m0_lanes(unsafe { _mm_maskz_loadu_epi8(lanes(n), p as *const i8) })
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Bf16Scale;
+impl RawScale for Bf16Scale {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(p: *const u8) -> __m512 {
+        // SAFETY: the caller guarantees 32 bytes at `p`.
+        let h = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_part(p: *const u8, n: usize) -> __m512 {
+        // SAFETY: the mask enables the `n` existing scales only.
+        let h = unsafe { _mm256_maskz_loadu_epi16(lanes(n), p as *const i16) };
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+    }
+}
+
+#[derive(Clone, Copy)]
+struct F16Scale;
+impl RawScale for F16Scale {
+    const SIZE: usize = 2;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(p: *const u8) -> __m512 {
+        // SAFETY: the caller guarantees 32 bytes at `p`.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_part(p: *const u8, n: usize) -> __m512 {
+        // SAFETY: the mask enables the `n` existing scales only.
+        _mm512_cvtph_ps(unsafe { _mm256_maskz_loadu_epi16(lanes(n), p as *const i16) })
+    }
+}
+
+impl<T: RawScale, const R: usize> ScaleSrc<R> for RawScales<T, R> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load16(self, r: usize, b: usize) -> __m512 {
+        // SAFETY: the caller guarantees the 16 scales exist.
+        unsafe { T::load16(self.0[r].add(b * T::SIZE)) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_part(self, r: usize, b: usize, n: usize) -> __m512 {
+        // SAFETY: the caller guarantees the `n` scales exist.
+        unsafe { T::load_part(self.0[r].add(b * T::SIZE), n) }
+    }
+    fn addr(self, r: usize, b: usize) -> *const i8 {
+        self.0[r].wrapping_add(b * T::SIZE) as *const i8
+    }
+}
+
+/// Mask of the first `n` (< 64) lanes.
+#[inline]
+fn lanes<M: TryFrom<u64>>(n: usize) -> M
+where
+    M::Error: std::fmt::Debug,
+{
+    M::try_from((1u64 << n) - 1).expect("mask wide enough")
+}
+
+/// `R` rows against `N` 16-bit inputs (`R == 1` or `N == 1`), in groups of 16 blocks: each
+/// group's 16 weight scales are loaded (converted from the matrix's own encoding) and
+/// multiplied by the input's 16 block scales once, then per run of four 32-blocks (a "quad")
+/// each input's planes are loaded once for all rows, two `vpdpbusd` per plane pair give the
+/// quad's block sums (lanes `4j..4j + 4`: block `j`), and one permute spreads the four
+/// blocks' scale products over those lanes. Sub-quad tails take pairs and single blocks.
+/// The offset correction `-off * sum_b w_b * dsum_b` is accumulated alongside (one FMA per
+/// group). Each output is summed in the same order whatever `R` and `N` are; `out[r*N + t]`.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI available; `cols` a multiple of 32; each `rows[r]` a whole row of
-/// `cols` codes with `ws[r]` its `cols / 32` weight scales; `hi`/`lo` `N * cols` codes, `d`
-/// `N * cols / 32` input scales, `corr` and `out` `R * N` values.
+/// `cols` codes and `scales` `cols / 32` block scales per row; `x` holds `N * cols` codes per
+/// plane and `N * cols / 32` scales and sums; `out` `R * N` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn i16_tile<C: Codes, const R: usize, const N: usize>(
+unsafe fn i16_tile<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
     rows: [&[u8]; R],
-    ws: [&[f32]; R],
-    d: &[f32],
-    corr: &[f32],
-    hi: &[i8],
-    lo: &[i8],
+    scales: S,
+    x: I16Slices<'_>,
     cols: usize,
     out: &mut [f32],
 ) {
     let p: [*const u8; R] = std::array::from_fn(|r| rows[r].as_ptr());
+    let blocks = cols / BLOCK;
     // Prefetch the same position `R` rows on (the next tile's rows, when rows are consecutive;
     // a hint only, so past the matrix it is harmless): the hardware prefetcher does not run
-    // far enough ahead of `R` interleaved streams.
+    // far enough ahead of `R` interleaved streams. Scales likewise, `R` rows of scales on.
     let ahead = R * rows[0].len();
-    let (hp, lp) = (hi.as_ptr(), lo.as_ptr());
-    let blocks = cols / BLOCK;
-    let ws: [&[f32]; R] = std::array::from_fn(|r| &ws[r][..blocks]);
-    let d = &d[..N * blocks];
-    // Lanes 0..8 hold block b's partial sums, lanes 8..16 block b + 1's.
-    let pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    // Lanes 4j..4j+4 hold block b + j's partial sums.
-    let quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    let mut acc = [[[_mm512_setzero_ps(); 2]; N]; R];
-    let mut tail = [[_mm256_setzero_ps(); N]; R];
-    macro_rules! quad_step {
-        ($b:expr, $j:expr) => {{
-            let b = $b;
-            // SAFETY: `b + 4 <= blocks`: the decodes read blocks b..b+4 of each row, the input
-            // loads read `[t*cols + 32b ..][..128]` of each plane, `ws[r][b..b+4]` and
-            // `d[t*blocks + b ..][..4]`, `t < N`.
+    let (hp, lp) = (x.hi[..N * cols].as_ptr(), x.lo[..N * cols].as_ptr());
+    let (d, dsums) = (&x.d[..N * blocks], &x.dsums[..N * blocks]);
+    // Lanes 4j..4j+4 take lane j (plus 4q for the quad's place in its group).
+    let quad_idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    let pair_idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    let mut cacc = [[_mm512_setzero_ps(); N]; R];
+    // Block scale products of the current group, `wd[r][t]` lane j: block `g + j`.
+    let mut wd = [[_mm512_setzero_ps(); N]; R];
+    macro_rules! group {
+        ($g:expr, $n:expr) => {{
+            let (g, n) = ($g, $n);
+            // SAFETY: blocks `g..g + n` exist (`n == 16` or the masked tail): 16 (or `n`)
+            // scales of each row, `d` / `dsums` `[t * blocks + g ..][..n]`, `t < N`.
             unsafe {
-                let x: [[__m512i; 4]; N] = std::array::from_fn(|t| {
+                let dv: [(__m512, __m512); N] = std::array::from_fn(|t| {
+                    let o = t * blocks + g;
+                    if n == 16 {
+                        (
+                            _mm512_loadu_ps(d.as_ptr().add(o)),
+                            _mm512_loadu_ps(dsums.as_ptr().add(o)),
+                        )
+                    } else {
+                        (
+                            _mm512_maskz_loadu_ps(lanes(n), d.as_ptr().add(o)),
+                            _mm512_maskz_loadu_ps(lanes(n), dsums.as_ptr().add(o)),
+                        )
+                    }
+                });
+                for r in 0..R {
+                    _mm_prefetch::<_MM_HINT_T0>(scales.addr(r, g + R * blocks));
+                    let w = if n == 16 {
+                        scales.load16(r, g)
+                    } else {
+                        scales.load_part(r, g, n)
+                    };
+                    for t in 0..N {
+                        wd[r][t] = _mm512_mul_ps(w, dv[t].0);
+                        cacc[r][t] = _mm512_fmadd_ps(w, dv[t].1, cacc[r][t]);
+                    }
+                }
+            }
+        }};
+    }
+    macro_rules! quad_step {
+        ($b:expr, $q:expr) => {{
+            let (b, q) = ($b, $q);
+            let idx = _mm512_add_epi32(quad_idx, _mm512_set1_epi32(4 * q as i32));
+            // SAFETY: `b + 4 <= blocks`: the decodes read blocks b..b+4 of each row, the input
+            // loads `[t*cols + 32b ..][..128]` of each plane, `t < N`.
+            unsafe {
+                let xs: [[__m512i; 4]; N] = std::array::from_fn(|t| {
                     let o = t * cols + b * BLOCK;
                     [
                         _mm512_loadu_si512(hp.add(o) as *const __m512i),
@@ -522,17 +698,14 @@ unsafe fn i16_tile<C: Codes, const R: usize, const N: usize>(
                         );
                     }
                     let (ev, od) = C::quad(p[r], b);
-                    let w4 = _mm_loadu_ps(ws[r].as_ptr().add(b));
                     for t in 0..N {
-                        let [h0, h1, l0, l1] = x[t];
+                        let [h0, h1, l0, l1] = xs[t];
                         let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ev, h0);
                         let s = _mm512_dpbusd_epi32(s, od, h1);
                         let s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), ev, l0);
                         let s = _mm512_dpbusd_epi32(s, od, l1);
-                        let d4 = _mm_loadu_ps(d.as_ptr().add(t * blocks + b));
-                        let sv =
-                            _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_mul_ps(w4, d4)));
-                        acc[r][t][$j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t][$j]);
+                        let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
                 }
             }
@@ -540,12 +713,12 @@ unsafe fn i16_tile<C: Codes, const R: usize, const N: usize>(
     }
     macro_rules! pair_step {
         ($b:expr, $j:expr) => {{
-            let b = $b;
-            // SAFETY: `b + 2 <= blocks`: the decodes read blocks b, b+1 of each row, the input
-            // loads read `[t*cols + 32b ..][..64]` of each plane, `ws[r][b..b+2]` and
-            // `d[t*blocks + b ..][..2]`, `t < N`.
+            let (b, j) = ($b, $j);
+            let idx = _mm512_add_epi32(pair_idx, _mm512_set1_epi32(j as i32));
+            // SAFETY: `b + 2 <= blocks`: blocks b, b+1 of each row, `[t*cols + 32b ..][..64]`
+            // of each plane, `t < N`.
             unsafe {
-                let x: [[__m512i; 2]; N] = std::array::from_fn(|t| {
+                let xs: [[__m512i; 2]; N] = std::array::from_fn(|t| {
                     let o = t * cols + b * BLOCK;
                     [
                         _mm512_loadu_si512(hp.add(o) as *const __m512i),
@@ -553,133 +726,169 @@ unsafe fn i16_tile<C: Codes, const R: usize, const N: usize>(
                     ]
                 });
                 for r in 0..R {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        p[r].wrapping_add(b * C::BLOCK_BYTES + ahead) as *const i8
-                    );
                     let u = C::two(p[r], b);
-                    let w2 = _mm_castpd_ps(_mm_load_sd(ws[r].as_ptr().add(b) as *const f64));
                     for t in 0..N {
-                        let [xh, xl] = x[t];
+                        let [xh, xl] = xs[t];
                         let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xh);
                         let s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), u, xl);
-                        let d2 = _mm_castpd_ps(_mm_load_sd(
-                            d.as_ptr().add(t * blocks + b) as *const f64
-                        ));
-                        let sv =
-                            _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(_mm_mul_ps(w2, d2)));
-                        acc[r][t][$j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t][$j]);
+                        let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
                 }
             }
         }};
     }
-    let mut b = 0usize;
-    if C::QUAD {
-        while b + 8 <= blocks {
-            quad_step!(b, 0);
-            quad_step!(b + 4, 1);
-            b += 8;
+    let full = blocks / 16 * 16;
+    let mut g = 0;
+    while g < full {
+        group!(g, 16);
+        for q in 0..4 {
+            quad_step!(g + 4 * q, q);
         }
-        if b + 4 <= blocks {
-            quad_step!(b, 0);
-            b += 4;
+        g += 16;
+    }
+    if g < blocks {
+        let n = blocks - g;
+        group!(g, n);
+        let mut j = 0;
+        if C::QUAD {
+            while j + 4 <= n {
+                quad_step!(g + j, j / 4);
+                j += 4;
+            }
         }
-    }
-    while b + 4 <= blocks {
-        pair_step!(b, 0);
-        pair_step!(b + 2, 1);
-        b += 4;
-    }
-    if b + 2 <= blocks {
-        pair_step!(b, 0);
-        b += 2;
-    }
-    if b < blocks {
-        // SAFETY: `b < blocks`: block b of each row, `[t*cols + 32b ..][..32]` of each plane,
-        // `ws[r][b]` and `d[t*blocks + b]`.
-        unsafe {
-            for r in 0..R {
-                let u = C::one(p[r], b);
-                for t in 0..N {
-                    let o = t * cols + b * BLOCK;
-                    let xh = _mm256_loadu_si256(hp.add(o) as *const __m256i);
-                    let xl = _mm256_loadu_si256(lp.add(o) as *const __m256i);
-                    let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xh);
-                    let s = _mm256_dpbusd_epi32(_mm256_slli_epi32(s, 8), u, xl);
-                    let sv = _mm256_set1_ps(ws[r][b] * d[t * blocks + b]);
-                    tail[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, tail[r][t]);
+        while j + 2 <= n {
+            pair_step!(g + j, j);
+            j += 2;
+        }
+        if j < n {
+            let b = g + j;
+            // SAFETY: `b < blocks`: block b of each row, `[t*cols + 32b ..][..32]` of each
+            // plane, `t < N`.
+            unsafe {
+                for r in 0..R {
+                    let u = C::one(p[r], b);
+                    for t in 0..N {
+                        let o = t * cols + b * BLOCK;
+                        let xh = _mm256_loadu_si256(hp.add(o) as *const __m256i);
+                        let xl = _mm256_loadu_si256(lp.add(o) as *const __m256i);
+                        let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xh);
+                        let s = _mm256_dpbusd_epi32(_mm256_slli_epi32(s, 8), u, xl);
+                        let sv = _mm512_permutexvar_ps(_mm512_set1_epi32(j as i32), wd[r][t]);
+                        let prod = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm512_castps512_ps256(sv));
+                        acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_zextps256_ps512(prod));
+                    }
                 }
             }
         }
     }
+    let off = C::OFFSET as f32;
     for r in 0..R {
         for t in 0..N {
-            let a = _mm512_add_ps(acc[r][t][0], acc[r][t][1]);
-            out[r * N + t] = _mm512_reduce_add_ps(a) + hsum256(tail[r][t]) + corr[r * N + t];
+            out[r * N + t] =
+                _mm512_reduce_add_ps(acc[r][t]) - off * _mm512_reduce_add_ps(cacc[r][t]);
+        }
+    }
+}
+/// Inputs `t..t + k` of an [`I16Inputs`].
+#[derive(Clone, Copy)]
+struct I16Slices<'a> {
+    hi: &'a [i8],
+    lo: &'a [i8],
+    d: &'a [f32],
+    dsums: &'a [f32],
+}
+
+impl<'a> I16Slices<'a> {
+    fn of(x: &'a I16Inputs, t: usize, k: usize, cols: usize) -> Self {
+        let blocks = cols / BLOCK;
+        I16Slices {
+            hi: &x.hi[t * cols..(t + k) * cols],
+            lo: &x.lo[t * cols..(t + k) * cols],
+            d: &x.d[t * blocks..(t + k) * blocks],
+            dsums: &x.dsums[t * blocks..(t + k) * blocks],
         }
     }
 }
 
-fn offset_of(kind: Kind) -> f32 {
-    (match kind {
-        Kind::Int4 { .. } => Int4Codes::OFFSET,
-        Kind::Mxfp4 { .. } => Mxfp4Codes::OFFSET,
-        Kind::Q8 { .. } => Q8Codes::OFFSET,
-        _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
-    }) as f32
+/// One row's block scales as the 16-bit kernels take them.
+#[derive(Clone, Copy, Debug)]
+pub enum BlockScales<'a> {
+    /// One f32 per 32-block.
+    F32(&'a [f32]),
+    /// The matrix's own scale bytes, one scale per 32-block (E8M0, BF16, F16 or F32).
+    Raw(&'a [u8], ScaleType),
 }
 
-/// What the code offset added to input `t`'s dot product with a row of weight scales `ws`:
-/// `offset * sum_b ws_b * d_b * sum(x_b)`.
-#[target_feature(enable = "avx512f")]
-fn offset_excess(kind: Kind, ws: &[f32], x: &I16Inputs, t: usize, blocks: usize) -> f32 {
-    offset_of(kind) * dot_f32(&ws[..blocks], &x.dsums[t * blocks..(t + 1) * blocks])
-}
-
-/// `sum(a[i] * b[i])` over the shorter length, 16 lanes at a time (the scalar dot of each
-/// row's block scales with the input sums costed a third of the INT4 kernel).
-#[target_feature(enable = "avx512f")]
-fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let mut acc = [_mm512_setzero_ps(); 2];
-    let mut i = 0;
-    while i + 16 <= n {
-        // SAFETY: `i + 16 <= n`, within both slices.
-        let (va, vb) = unsafe {
-            (
-                _mm512_loadu_ps(a.as_ptr().add(i)),
-                _mm512_loadu_ps(b.as_ptr().add(i)),
-            )
-        };
-        let j = (i / 16) % 2;
-        acc[j] = _mm512_fmadd_ps(va, vb, acc[j]);
-        i += 16;
+impl BlockScales<'_> {
+    fn holds(&self, blocks: usize) -> bool {
+        match *self {
+            BlockScales::F32(s) => s.len() >= blocks,
+            BlockScales::Raw(b, st) => b.len() >= blocks * st.size(),
+        }
     }
-    if i < n {
-        let m: __mmask16 = (1u16 << (n - i)) - 1;
-        // SAFETY: the mask enables lanes `i..n` only; masked-off lanes are not read.
-        let (va, vb) = unsafe {
-            (
-                _mm512_maskz_loadu_ps(m, a.as_ptr().add(i)),
-                _mm512_maskz_loadu_ps(m, b.as_ptr().add(i)),
-            )
-        };
-        acc[0] = _mm512_fmadd_ps(va, vb, acc[0]);
-    }
-    _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]))
 }
 
-/// 16-bit-activation row kernel (INT4, MXFP4, Q8); `scales` has one value per 32-block.
+/// Runs `i16_tile` for codes `C` with the scale source the scales' type asks for.
+///
+/// # Safety
+/// As for `i16_tile`; every `scales[r]` has the same variant and type and holds `cols / 32`
+/// block scales.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn tile_with_scales<C: Codes, const R: usize, const N: usize>(
+    rows: [&[u8]; R],
+    scales: [BlockScales<'_>; R],
+    x: I16Slices<'_>,
+    cols: usize,
+    out: &mut [f32],
+) {
+    macro_rules! raw {
+        ($t:ty) => {{
+            let p: [*const u8; R] = std::array::from_fn(|r| match scales[r] {
+                BlockScales::Raw(b, _) => b.as_ptr(),
+                BlockScales::F32(_) => unreachable!("scales of one tile share a variant"),
+            });
+            // SAFETY: the caller's contract.
+            unsafe {
+                i16_tile::<C, RawScales<$t, R>, R, N>(
+                    rows,
+                    RawScales(p, std::marker::PhantomData),
+                    x,
+                    cols,
+                    out,
+                )
+            }
+        }};
+    }
+    match scales[0] {
+        BlockScales::F32(_) | BlockScales::Raw(_, ScaleType::F32) => {
+            let p: [*const f32; R] = std::array::from_fn(|r| match scales[r] {
+                BlockScales::F32(s) => s.as_ptr(),
+                // Little-endian f32 bytes are f32 values (x86_64); `_mm512_loadu_ps` takes
+                // any alignment.
+                BlockScales::Raw(b, _) => b.as_ptr() as *const f32,
+            });
+            // SAFETY: the caller's contract.
+            unsafe { i16_tile::<C, F32Scales<R>, R, N>(rows, F32Scales(p), x, cols, out) }
+        }
+        BlockScales::Raw(_, ScaleType::E8m0) => raw!(E8m0Scale),
+        BlockScales::Raw(_, ScaleType::Bf16) => raw!(Bf16Scale),
+        BlockScales::Raw(_, ScaleType::F16) => raw!(F16Scale),
+        BlockScales::Raw(_, ScaleType::None) => unreachable!("integer formats have scales"),
+    }
+}
+
+/// 16-bit-activation row kernel (INT4, MXFP4, Q8) against `n` inputs.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI, AVX2 and FMA available; `kind.simd_shape(cols)`;
-/// `row.len() == kind.row_bytes(cols)`, `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at
-/// least `n * cols` codes and `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
+/// `row.len() == kind.row_bytes(cols)`, `scales` holds `cols / 32` block scales; `x.hi`/`x.lo`
+/// hold at least `n * cols` codes and `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub unsafe fn row_i16(
     kind: Kind,
     row: &[u8],
-    scales: &[f32],
+    scales: BlockScales<'_>,
     x: &I16Inputs,
     cols: usize,
     n: usize,
@@ -689,30 +898,22 @@ pub unsafe fn row_i16(
     let blocks = cols / BLOCK;
     debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols);
     debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks && out.len() >= n);
-    debug_assert!(scales.len() >= blocks);
-    let ws = &scales[..blocks];
+    debug_assert!(scales.holds(blocks));
     let mut t = 0;
     while t < n {
         let k = (n - t).min(4);
-        let mut corr = [0f32; 4];
-        for (j, c) in corr[..k].iter_mut().enumerate() {
-            *c = -offset_excess(kind, ws, x, t + j, blocks);
-        }
-        let hi = &x.hi[t * cols..(t + k) * cols];
-        let lo = &x.lo[t * cols..(t + k) * cols];
-        let d = &x.d[t * blocks..(t + k) * blocks];
-        let cs = &corr[..k];
+        let xt = I16Slices::of(x, t, k, cols);
         let o = &mut out[t..t + k];
         macro_rules! go {
             ($c:ty) => {
-                // SAFETY: the caller's contract is the tile's; `hi`, `lo`, `d`, `cs` and `o`
-                // hold exactly `k` inputs / outputs.
+                // SAFETY: the caller's contract is the tile's; `xt` and `o` hold exactly `k`
+                // inputs / outputs.
                 unsafe {
                     match k {
-                        4 => i16_tile::<$c, 1, 4>([row], [ws], d, cs, hi, lo, cols, o),
-                        3 => i16_tile::<$c, 1, 3>([row], [ws], d, cs, hi, lo, cols, o),
-                        2 => i16_tile::<$c, 1, 2>([row], [ws], d, cs, hi, lo, cols, o),
-                        _ => i16_tile::<$c, 1, 1>([row], [ws], d, cs, hi, lo, cols, o),
+                        4 => tile_with_scales::<$c, 1, 4>([row], [scales], xt, cols, o),
+                        3 => tile_with_scales::<$c, 1, 3>([row], [scales], xt, cols, o),
+                        2 => tile_with_scales::<$c, 1, 2>([row], [scales], xt, cols, o),
+                        _ => tile_with_scales::<$c, 1, 1>([row], [scales], xt, cols, o),
                     }
                 }
             };
@@ -730,12 +931,13 @@ pub unsafe fn row_i16(
 /// `R` rows against one 16-bit input (matrix-vector products): `out[r] = dot(rows[r], x)`.
 ///
 /// # Safety
-/// As for [`row_i16`] with `n == 1`, for each of the `R` rows and their scales; `out` holds `R`.
+/// As for [`row_i16`] with `n == 1`, for each of the `R` rows and their scales (all of one
+/// variant and type); `out` holds `R`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub unsafe fn rows_i16<const R: usize>(
     kind: Kind,
     rows: [&[u8]; R],
-    scales: [&[f32]; R],
+    scales: [BlockScales<'_>; R],
     x: &I16Inputs,
     cols: usize,
     out: &mut [f32],
@@ -743,14 +945,12 @@ pub unsafe fn rows_i16<const R: usize>(
     debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_bytes(cols)));
     let blocks = cols / BLOCK;
     debug_assert!(x.hi.len() >= cols && x.lo.len() >= cols && out.len() >= R);
-    debug_assert!(scales.iter().all(|s| s.len() >= blocks));
-    let ws: [&[f32]; R] = std::array::from_fn(|r| &scales[r][..blocks]);
-    let corr: [f32; R] = std::array::from_fn(|r| -offset_excess(kind, ws[r], x, 0, blocks));
-    let (hi, lo, d) = (&x.hi[..cols], &x.lo[..cols], &x.d[..blocks]);
+    debug_assert!(scales.iter().all(|s| s.holds(blocks)));
+    let xt = I16Slices::of(x, 0, 1, cols);
     macro_rules! go {
         ($c:ty) => {
             // SAFETY: the caller's contract is the tile's; one input, `R` rows and outputs.
-            unsafe { i16_tile::<$c, R, 1>(rows, ws, d, &corr, hi, lo, cols, out) }
+            unsafe { tile_with_scales::<$c, R, 1>(rows, scales, xt, cols, out) }
         };
     }
     match kind {

@@ -1,0 +1,146 @@
+//! Each weight format's matvec as a fraction of memory bandwidth, measured in interleaved
+//! pairs: `cargo bench -p deltafin-inference --bench membw_ratio`.
+//!
+//! On a shared host the memory bandwidth itself drifts between runs (this VM: 28-31 GiB/s on
+//! one thread, 36-62 GiB/s on two), so a bandwidth measured once at the start of a run says
+//! little about a kernel timed minutes later. Here every repeat times one streaming read of a
+//! 512 MiB buffer, one pass of the kernel over a ring of >= 384 MiB of matrices (each matvec
+//! streams its weights from DRAM), and the streaming read again; the repeat's ratio is the
+//! kernel's GiB/s over the mean of the two reads. The report gives the median ratio over the
+//! repeats, with the lowest and highest, per format, shape and thread count, on the
+//! activations the model uses for that format (`kernels::model_act`).
+//!
+//! Output: one JSON object on stdout. `DELTAFIN_BENCH_REPEATS` (default 9),
+//! `DELTAFIN_BENCH_FORMATS=int4,mxfp4`, `DELTAFIN_BENCH_SHAPES=2048x7168,...`,
+//! `DELTAFIN_BENCH_QUICK=1` (smaller buffers, 3 repeats).
+
+use std::time::Instant;
+
+mod common;
+use common::{make, membw_pass, pool, pseudo, quick, threads_all};
+use deltafin_inference::kernels::{self, Isa, Kind};
+use deltafin_inference::linear::WeightMatrix;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn env_list(name: &str) -> Option<Vec<String>> {
+    std::env::var(name)
+        .ok()
+        .map(|v| v.split(',').map(str::to_owned).collect())
+}
+
+fn main() {
+    let repeats: usize = std::env::var("DELTAFIN_BENCH_REPEATS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if quick() { 3 } else { 9 });
+    let ring_bytes: usize = if quick() { 96 << 20 } else { 384 << 20 };
+    let read_bytes: usize = if quick() { 128 << 20 } else { 512 << 20 };
+    let formats = env_list("DELTAFIN_BENCH_FORMATS").unwrap_or_else(|| {
+        ["bf16", "fp8", "q8", "int4", "mxfp4"]
+            .map(str::to_owned)
+            .to_vec()
+    });
+    let shapes: Vec<(usize, usize)> = env_list("DELTAFIN_BENCH_SHAPES")
+        .map(|v| {
+            v.iter()
+                .map(|s| {
+                    let (r, c) = s.split_once('x').expect("DELTAFIN_BENCH_SHAPES: RxC,...");
+                    (r.parse().expect("rows"), c.parse().expect("cols"))
+                })
+                .collect()
+        })
+        .unwrap_or_else(|| vec![(2048, 7168), (7168, 2048)]);
+    let isa = Isa::detect();
+    let buf: Vec<u64> = (0..read_bytes / 8).map(|i| i as u64).collect();
+    let thread_counts = if threads_all() > 1 {
+        vec![1, threads_all()]
+    } else {
+        vec![1]
+    };
+    let pools: Vec<_> = thread_counts.iter().map(|&t| (t, pool(t))).collect();
+    let mut rows = Vec::new();
+    for &(r, c) in &shapes {
+        for name in &formats {
+            let name: &'static str = match name.as_str() {
+                "bf16" => "bf16",
+                "fp8" => "fp8",
+                "q8" => "q8",
+                "int4" => "int4",
+                "mxfp4" => "mxfp4",
+                other => panic!("unknown format {other}"),
+            };
+            let one = make(name, r, c);
+            let name = one.name;
+            let bytes = one.data.len() + one.scale.len();
+            let copies = ring_bytes.div_ceil(bytes).max(2);
+            let ring: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
+                .map(|_| (one.data.clone(), one.scale.clone()))
+                .collect();
+            let mats: Vec<WeightMatrix<'_>> = ring
+                .iter()
+                .map(|(d, s)| {
+                    WeightMatrix::new(r, c, one.format, d, s, one.scale_type).expect("matrix")
+                })
+                .collect();
+            let act = kernels::model_act(Kind::of(one.format));
+            let x: Vec<f32> = (0..c).map(|i| pseudo(i + 7) * 20.0).collect();
+            let mut out = vec![0f32; r];
+            for (threads, p) in &pools {
+                // One untimed pass: page faults and first touches out of the way.
+                p.install(|| {
+                    for m in &mats {
+                        kernels::matmul_with(isa, m, &x, 1, &mut out, act);
+                    }
+                });
+                let (mut ratios, mut kern, mut bw) = (Vec::new(), Vec::new(), Vec::new());
+                for _ in 0..repeats {
+                    let before = membw_pass(p, &buf, *threads);
+                    // The timing loop runs on a pool thread, as the model's generation does.
+                    let secs = p.install(|| {
+                        let t = Instant::now();
+                        for m in &mats {
+                            kernels::matmul_with(isa, m, &x, 1, &mut out, act);
+                        }
+                        t.elapsed().as_secs_f64()
+                    });
+                    let after = membw_pass(p, &buf, *threads);
+                    let k = (bytes * copies) as f64 / secs / (1u64 << 30) as f64;
+                    let m = (before + after) / 2.0;
+                    ratios.push(k / m);
+                    kern.push(k);
+                    bw.push(m);
+                }
+                let (lo, hi) = ratios
+                    .iter()
+                    .fold((f64::MAX, f64::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                let row = format!(
+                    "{{\"format\": \"{name}\", \"shape\": \"{r}x{c}\", \"act\": \"{act:?}\", \
+                     \"threads\": {threads}, \"fraction_of_membw_median\": {:.3}, \
+                     \"fraction_min\": {lo:.3}, \"fraction_max\": {hi:.3}, \
+                     \"kernel_gib_s_median\": {:.2}, \"membw_gib_s_median\": {:.2}, \
+                     \"repeats\": {repeats}}}",
+                    median(&mut ratios),
+                    median(&mut kern),
+                    median(&mut bw),
+                );
+                eprintln!("{row}");
+                rows.push(row);
+            }
+        }
+    }
+    println!(
+        "{{\"isa\": \"{isa:?}\", \"ring_mib\": {}, \"read_mib\": {}, \"rows\": [\n  {}\n]}}",
+        ring_bytes >> 20,
+        read_bytes >> 20,
+        rows.join(",\n  ")
+    );
+}
