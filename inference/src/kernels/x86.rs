@@ -488,6 +488,316 @@ pub unsafe fn row_i8(
     })
 }
 
+/// Codes of the 16-bit-activation path on AVX2, in the [`super::I16Inputs`] order.
+trait PairCodes {
+    /// What was added to every code to make it unsigned (0: codes stay signed, Q8).
+    const OFFSET: i32;
+    /// Blocks `b`, `b + 1` inside a run of four: the parts matching the input's two halves
+    /// (4-bit: evens, odds; Q8: first 16, last 16 of each block), 16 bytes per block each.
+    ///
+    /// # Safety
+    /// AVX2 available; blocks `b`, `b + 1` inside the row at `p`.
+    unsafe fn pair(p: *const u8, b: usize) -> (__m256i, __m256i);
+    /// Block `b` alone, in the single-block input order (4-bit: evens then odds).
+    ///
+    /// # Safety
+    /// AVX2 available; block `b` inside the row at `p`.
+    unsafe fn single(p: *const u8, b: usize) -> __m256i;
+}
+
+/// Nibbles of 32 bytes: (low nibbles, high nibbles), mapped through `lut` when given.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn nibbles32(v: __m256i, lut: Option<__m256i>) -> (__m256i, __m256i) {
+    let m = _mm256_set1_epi8(0x0f);
+    let (lo, hi) = (
+        _mm256_and_si256(v, m),
+        _mm256_and_si256(_mm256_srli_epi16(v, 4), m),
+    );
+    match lut {
+        Some(l) => (_mm256_shuffle_epi8(l, lo), _mm256_shuffle_epi8(l, hi)),
+        None => (lo, hi),
+    }
+}
+
+/// MXFP4 doubled codes plus 12 (0..=24), the unsigned table of the 16-bit path.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn mxfp4_u_lut() -> __m256i {
+    _mm256_add_epi8(
+        _mm256_broadcastsi128_si256(mxfp4_lut()),
+        _mm256_set1_epi8(12),
+    )
+}
+
+struct Int4Pairs;
+impl PairCodes for Int4Pairs {
+    const OFFSET: i32 = 8;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair(p: *const u8, b: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller guarantees the 32 bytes of blocks b, b+1 are inside the row.
+        nibbles32(
+            unsafe { _mm256_loadu_si256(p.add(b * 16) as *const __m256i) },
+            None,
+        )
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn single(p: *const u8, b: usize) -> __m256i {
+        // SAFETY: the caller guarantees the 16 bytes of block b are inside the row.
+        let v = unsafe { _mm_loadu_si128(p.add(b * 16) as *const __m128i) };
+        let y = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+        _mm256_and_si256(y, _mm256_set1_epi8(0x0f))
+    }
+}
+
+struct Mxfp4Pairs;
+impl PairCodes for Mxfp4Pairs {
+    const OFFSET: i32 = 12;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair(p: *const u8, b: usize) -> (__m256i, __m256i) {
+        // SAFETY: as for INT4.
+        let v = unsafe { _mm256_loadu_si256(p.add(b * 16) as *const __m256i) };
+        nibbles32(v, Some(mxfp4_u_lut()))
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn single(p: *const u8, b: usize) -> __m256i {
+        // SAFETY: as for INT4.
+        _mm256_shuffle_epi8(mxfp4_u_lut(), unsafe { Int4Pairs::single(p, b) })
+    }
+}
+
+struct Q8Pairs;
+impl PairCodes for Q8Pairs {
+    const OFFSET: i32 = 0;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair(p: *const u8, b: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller guarantees the 64 bytes of blocks b, b+1 are inside the row.
+        let (v1, v2) = unsafe {
+            (
+                _mm256_loadu_si256(p.add(b * 32) as *const __m256i),
+                _mm256_loadu_si256(p.add(b * 32 + 32) as *const __m256i),
+            )
+        };
+        (
+            _mm256_permute2x128_si256::<0x20>(v1, v2),
+            _mm256_permute2x128_si256::<0x31>(v1, v2),
+        )
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn single(p: *const u8, b: usize) -> __m256i {
+        // SAFETY: the caller guarantees the 32 bytes of block b are inside the row.
+        unsafe { _mm256_loadu_si256(p.add(b * 32) as *const __m256i) }
+    }
+}
+
+/// Pairwise i16 products of codes `w` with inputs `x`: unsigned codes (no overflow: at most
+/// 2 * 24 * 127) or, for signed Q8 codes, `|w| * sign(x, w)` (at most 2 * 128 * 127).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn code_products<C: PairCodes>(w: __m256i, x: __m256i) -> __m256i {
+    if C::OFFSET == 0 {
+        _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+    } else {
+        _mm256_maddubs_epi16(w, x)
+    }
+}
+
+/// i32 lane sums of `256 * hi + lo` products for two code vectors against the matching input
+/// halves (lanes 0..4: the first block, 4..8: the second).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn pair_sums<C: PairCodes>(a: __m256i, b: __m256i, [ha, hb, la, lb]: [__m256i; 4]) -> __m256i {
+    let (k256, k1) = (_mm256_set1_epi16(256), _mm256_set1_epi16(1));
+    if C::OFFSET == 0 {
+        // Signed products reach 32512 each: widen before adding.
+        let h = _mm256_add_epi32(
+            _mm256_madd_epi16(code_products::<C>(a, ha), k256),
+            _mm256_madd_epi16(code_products::<C>(b, hb), k256),
+        );
+        let l = _mm256_add_epi32(
+            _mm256_madd_epi16(code_products::<C>(a, la), k1),
+            _mm256_madd_epi16(code_products::<C>(b, lb), k1),
+        );
+        _mm256_add_epi32(h, l)
+    } else {
+        // Unsigned 4-bit codes: two products add within i16 (at most 4 * 24 * 127).
+        let h = _mm256_add_epi16(code_products::<C>(a, ha), code_products::<C>(b, hb));
+        let l = _mm256_add_epi16(code_products::<C>(a, la), code_products::<C>(b, lb));
+        _mm256_add_epi32(_mm256_madd_epi16(h, k256), _mm256_madd_epi16(l, k1))
+    }
+}
+
+/// One row against `N` 16-bit inputs (the AVX2 form of the AVX-512 16-bit tile, for machines
+/// without VNNI): groups of 8 blocks take their 8 weight scales times each input's 8 block
+/// scales once; per pair of blocks inside a run of four, `vpmaddubsw` + `vpmaddwd` give the
+/// pair's sums (`256 * hi + lo`, exact in i32) and one permute spreads the two blocks' scale
+/// products; single blocks after the runs likewise. The offset correction is one FMA per
+/// group. Each input is summed in the same order whatever `N` is; `out[t]`.
+///
+/// # Safety
+/// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row of `cols` codes,
+/// `ws` its `cols / 32` block scales; `x` holds `N * cols` codes per plane and
+/// `N * cols / 32` scales and sums; `out` `N` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+// `j` picks both the pair's blocks and its accumulator, inside the loop over inputs.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn i16_row<C: PairCodes, const N: usize>(
+    row: &[u8],
+    ws: &[f32],
+    hi: &[i8],
+    lo: &[i8],
+    d: &[f32],
+    dsums: &[f32],
+    cols: usize,
+    out: &mut [f32],
+) {
+    let p = row.as_ptr();
+    let blocks = cols / BLOCK;
+    let ws = &ws[..blocks];
+    let (hp, lp) = (hi[..N * cols].as_ptr(), lo[..N * cols].as_ptr());
+    let (d, dsums) = (&d[..N * blocks], &dsums[..N * blocks]);
+    let quads = blocks / 4;
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    let mut cacc = [_mm256_setzero_ps(); N];
+    let mut wd = [_mm256_setzero_ps(); N];
+    let half_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    let mut g = 0;
+    while g < blocks {
+        let n = (blocks - g).min(8);
+        let mask = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        // SAFETY: the mask enables blocks `g..g + n` only, all inside `ws`, `d` and `dsums`
+        // (`t < N`).
+        unsafe {
+            let w = _mm256_maskload_ps(ws.as_ptr().add(g), mask);
+            for t in 0..N {
+                let o = t * blocks + g;
+                wd[t] = _mm256_mul_ps(w, _mm256_maskload_ps(d.as_ptr().add(o), mask));
+                cacc[t] =
+                    _mm256_fmadd_ps(w, _mm256_maskload_ps(dsums.as_ptr().add(o), mask), cacc[t]);
+            }
+        }
+        let mut k = 0;
+        while k < n {
+            let b = g + k;
+            if b + 4 <= quads * 4 {
+                // Two pairs of the run of four starting at `b`.
+                for j in 0..2 {
+                    let idx = _mm256_add_epi32(half_idx, _mm256_set1_epi32((k + 2 * j) as i32));
+                    // SAFETY: blocks b..b+4 form a run: the decode reads blocks b+2j, b+2j+1,
+                    // the input loads `[t*cols + 32b + 32j ..][..32]` and the same `+ 64` of
+                    // each plane, `t < N`.
+                    unsafe {
+                        let (ca, cb) = C::pair(p, b + 2 * j);
+                        for t in 0..N {
+                            let o = t * cols + b * BLOCK + 32 * j;
+                            let xs = [
+                                _mm256_loadu_si256(hp.add(o) as *const __m256i),
+                                _mm256_loadu_si256(hp.add(o + 64) as *const __m256i),
+                                _mm256_loadu_si256(lp.add(o) as *const __m256i),
+                                _mm256_loadu_si256(lp.add(o + 64) as *const __m256i),
+                            ];
+                            let s = pair_sums::<C>(ca, cb, xs);
+                            let sv = _mm256_permutevar8x32_ps(wd[t], idx);
+                            acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][j]);
+                        }
+                    }
+                }
+                k += 4;
+            } else {
+                let idx = _mm256_set1_epi32(k as i32);
+                // SAFETY: `b < blocks`: block b of the row, `[t*cols + 32b ..][..32]` of each
+                // plane, `t < N`.
+                unsafe {
+                    let c = C::single(p, b);
+                    for t in 0..N {
+                        let o = t * cols + b * BLOCK;
+                        let h =
+                            code_products::<C>(c, _mm256_loadu_si256(hp.add(o) as *const __m256i));
+                        let l =
+                            code_products::<C>(c, _mm256_loadu_si256(lp.add(o) as *const __m256i));
+                        let s = _mm256_add_epi32(
+                            _mm256_madd_epi16(h, _mm256_set1_epi16(256)),
+                            _mm256_madd_epi16(l, _mm256_set1_epi16(1)),
+                        );
+                        let sv = _mm256_permutevar8x32_ps(wd[t], idx);
+                        acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][0]);
+                    }
+                }
+                k += 1;
+            }
+        }
+        g += n;
+    }
+    let off = C::OFFSET as f32;
+    for t in 0..N {
+        out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) - off * hsum(cacc[t]);
+    }
+}
+
+/// 16-bit-activation row kernel (INT4, MXFP4, Q8) against `n` inputs; `scales` has one value
+/// per 32-block.
+///
+/// # Safety
+/// AVX2, FMA and F16C available; `kind.simd_shape(cols)`; `row.len() == kind.row_bytes(cols)`,
+/// `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at least `n * cols` codes and
+/// `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn row_i16(
+    kind: Kind,
+    row: &[u8],
+    scales: &[f32],
+    x: &super::I16Inputs,
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    let blocks = cols / BLOCK;
+    debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols && out.len() >= n);
+    debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks);
+    debug_assert!(scales.len() >= blocks);
+    let mut t = 0;
+    while t < n {
+        let k = (n - t).min(4);
+        let (hi, lo) = (
+            &x.hi[t * cols..(t + k) * cols],
+            &x.lo[t * cols..(t + k) * cols],
+        );
+        let d = &x.d[t * blocks..(t + k) * blocks];
+        let ds = &x.dsums[t * blocks..(t + k) * blocks];
+        let o = &mut out[t..t + k];
+        macro_rules! go {
+            ($c:ty) => {
+                // SAFETY: the caller's contract; the slices and `o` hold exactly `k` inputs.
+                unsafe {
+                    match k {
+                        4 => i16_row::<$c, 4>(row, scales, hi, lo, d, ds, cols, o),
+                        3 => i16_row::<$c, 3>(row, scales, hi, lo, d, ds, cols, o),
+                        2 => i16_row::<$c, 2>(row, scales, hi, lo, d, ds, cols, o),
+                        _ => i16_row::<$c, 1>(row, scales, hi, lo, d, ds, cols, o),
+                    }
+                }
+            };
+        }
+        match kind {
+            Kind::Int4 { .. } => go!(Int4Pairs),
+            Kind::Mxfp4 { .. } => go!(Mxfp4Pairs),
+            Kind::Q8 { .. } => go!(Q8Pairs),
+            _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
+        }
+        t += k;
+    }
+}
+
 /// `out[i] = f16(bytes[2i..2i+2])` for every `out`.
 ///
 /// # Safety
