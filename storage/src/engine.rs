@@ -8,6 +8,11 @@
 //! (no copy after the kernel fills it); the worker that lands the last piece checks the hash if
 //! asked and sends the finished [`Loaded`] on the requester's channel, so a consumer can start on
 //! the first record to land.
+//!
+//! Replicate mode tolerates a failing copy: a piece whose read fails is read from the other
+//! drives in turn (the failing drive then gets no new pieces while a healthy one remains), and a
+//! record whose bytes fail their hash is read again whole from each drive until a copy matches.
+//! Only when every copy fails does the request fail, naming each drive's error.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -151,6 +156,8 @@ pub struct DriveStats {
     /// Wall time with at least one read in flight on this drive.
     pub busy: Duration,
     pub direct_io: bool,
+    /// Failed reads (I/O errors, short reads) on this drive.
+    pub read_errors: u64,
 }
 
 #[derive(Debug, Default)]
@@ -168,10 +175,17 @@ struct Drive {
     outstanding: AtomicU64,
     bytes_read: AtomicU64,
     reads: AtomicU64,
+    /// Reads of this drive that failed (I/O error or short read). In replicate mode a drive
+    /// with errors gets no new pieces while another replica has none.
+    read_errors: AtomicU64,
     busy: Mutex<BusyClock>,
 }
 
 impl Drive {
+    fn healthy(&self) -> bool {
+        self.read_errors.load(Ordering::Relaxed) == 0
+    }
+
     fn busy_enter(&self) {
         let mut b = self.busy.lock().unwrap_or_else(|p| p.into_inner());
         if b.active == 0 {
@@ -237,6 +251,8 @@ struct Shared {
     hash_check: HashCheck,
     completed: AtomicU64,
     index: HashMap<RecordId, usize>,
+    /// Pieces or records served by another replica after a read error or a hash mismatch.
+    replica_recoveries: AtomicU64,
 }
 
 /// A handle to an in-flight request: cancel it (if not started) or promote it to demand.
@@ -328,6 +344,7 @@ impl Engine {
                 outstanding: AtomicU64::new(0),
                 bytes_read: AtomicU64::new(0),
                 reads: AtomicU64::new(0),
+                read_errors: AtomicU64::new(0),
                 busy: Mutex::new(BusyClock::default()),
             });
             receivers.push((drx, prx));
@@ -344,6 +361,7 @@ impl Engine {
             pool: BufferPool::new(config.buffer_cap_bytes),
             hash_check: config.hash_check,
             completed: AtomicU64::new(0),
+            replica_recoveries: AtomicU64::new(0),
             index,
         });
         let mut workers = Vec::new();
@@ -402,6 +420,12 @@ impl Engine {
         self.threads_per_drive
     }
 
+    /// Reads (pieces after an I/O error, whole records after a hash mismatch) that another
+    /// replica served (replicate mode).
+    pub fn replica_recoveries(&self) -> u64 {
+        self.shared.replica_recoveries.load(Ordering::Relaxed)
+    }
+
     pub fn stats(&self) -> Vec<DriveStats> {
         self.shared
             .drives
@@ -414,6 +438,7 @@ impl Engine {
                     reads: d.reads.load(Ordering::Relaxed),
                     busy,
                     direct_io: d.file.is_direct(),
+                    read_errors: d.read_errors.load(Ordering::Relaxed),
                 }
             })
             .collect()
@@ -613,10 +638,16 @@ impl Drop for Engine {
     }
 }
 
+/// The drive with the fewest outstanding bytes, among the drives without read errors if any
+/// (replicate mode).
 fn least_loaded(drives: &[Drive]) -> usize {
+    let any_healthy = drives.iter().any(Drive::healthy);
     let mut best = 0;
     let mut best_bytes = u64::MAX;
     for (i, d) in drives.iter().enumerate() {
+        if any_healthy && !d.healthy() {
+            continue;
+        }
         let o = d.outstanding.load(Ordering::Relaxed);
         if o < best_bytes {
             best = i;
@@ -624,6 +655,45 @@ fn least_loaded(drives: &[Drive]) -> usize {
         }
     }
     best
+}
+
+/// Replicate mode: read `dst` at `offset` from the replicas other than `failed`, in drive
+/// order, after `failed` returned `first`. Returns the drive that served it, or every error.
+fn read_other_replica(
+    shared: &Shared,
+    failed: usize,
+    dst: &mut [u8],
+    offset: u64,
+    first: StorageError,
+) -> Result<usize> {
+    let mut failures = vec![first];
+    for (o, drive) in shared.drives.iter().enumerate() {
+        if o == failed {
+            continue;
+        }
+        drive.busy_enter();
+        let r = read_full(drive, o, dst, offset);
+        drive.busy_leave();
+        match r {
+            Ok(()) => {
+                drive
+                    .bytes_read
+                    .fetch_add(dst.len() as u64, Ordering::Relaxed);
+                drive.reads.fetch_add(1, Ordering::Relaxed);
+                shared.replica_recoveries.fetch_add(1, Ordering::Relaxed);
+                return Ok(o);
+            }
+            Err(e) => {
+                drive.read_errors.fetch_add(1, Ordering::Relaxed);
+                failures.push(e);
+            }
+        }
+    }
+    Err(StorageError::ReplicasFailed {
+        offset,
+        len: dst.len() as u64,
+        failures,
+    })
 }
 
 /// Take the next job for drive `d`'s worker: own demand, (replicate: other drives' demand),
@@ -696,8 +766,10 @@ fn worker(shared: Arc<Shared>, d: usize, lanes: Arc<Vec<(Receiver<Job>, Receiver
             continue;
         }
         let p = slot.piece;
-        // Raw reads name their drive; record pieces in replicate mode may be served by any.
-        let rd = if steal && matches!(req.target, Target::Record(_)) {
+        // Raw reads name their drive; record pieces in replicate mode may be served by any
+        // (by this worker's drive unless it has had read errors).
+        let replicated = steal && matches!(req.target, Target::Record(_));
+        let rd = if replicated && shared.drives[d].healthy() {
             d
         } else {
             p.drive
@@ -717,7 +789,21 @@ fn worker(shared: Arc<Shared>, d: usize, lanes: Arc<Vec<(Receiver<Job>, Receiver
                 drive.bytes_read.fetch_add(p.len, Ordering::Relaxed);
                 drive.reads.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => set_error(&req, e),
+            Err(e) => {
+                drive.read_errors.fetch_add(1, Ordering::Relaxed);
+                // Every drive of a replicated layout holds the same bytes at the same offset.
+                let recovered = if shared.manifest.mode == Mode::Replicate
+                    && matches!(req.target, Target::Record(_))
+                    && shared.drives.len() > 1
+                {
+                    read_other_replica(&shared, rd, dst, p.file_offset, e)
+                } else {
+                    Err(e)
+                };
+                if let Err(e) = recovered {
+                    set_error(&req, e);
+                }
+            }
         }
         finish_piece(&shared, &req, piece, true);
     }
@@ -787,7 +873,7 @@ fn complete(shared: &Shared, req: &Arc<InFlight>) {
                         verified: true,
                     })
                 } else {
-                    Err(hash_mismatch(shared, &req.target, &req.pieces))
+                    recover_record(shared, req, buf)
                 }
             }
             None => Ok(Loaded {
@@ -803,6 +889,48 @@ fn complete(shared: &Shared, req: &Arc<InFlight>) {
         target: req.target.clone(),
         result,
     });
+}
+
+/// A record whose bytes did not match its hash: in replicate mode read it again whole from
+/// each drive in turn (silent corruption is per copy) and return the first copy that matches;
+/// otherwise, or if none does, the mismatch error.
+fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<Loaded> {
+    let replicated = shared.manifest.mode == Mode::Replicate && shared.drives.len() > 1;
+    if let (true, Target::Record(_), Some(want)) = (replicated, &req.target, &req.expected_hash) {
+        for (k, drive) in shared.drives.iter().enumerate() {
+            let mut ok = true;
+            let base = buf.as_mut_ptr();
+            for slot in &req.pieces {
+                let p = slot.piece;
+                // SAFETY: as in `worker`: the piece lies within the buffer's capacity (pieces
+                // cover the aligned payload it was sized for), and every piece is finished, so
+                // this thread holds the buffer alone.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(base.add(p.buf_offset as usize), p.len as usize)
+                };
+                drive.busy_enter();
+                let r = read_full(drive, k, dst, p.file_offset);
+                drive.busy_leave();
+                if r.is_err() {
+                    drive.read_errors.fetch_add(1, Ordering::Relaxed);
+                    ok = false;
+                    break;
+                }
+                drive.bytes_read.fetch_add(p.len, Ordering::Relaxed);
+                drive.reads.fetch_add(1, Ordering::Relaxed);
+            }
+            if ok && blake3::hash(&buf[..req.payload_len]).to_hex().as_str() == want {
+                shared.replica_recoveries.fetch_add(1, Ordering::Relaxed);
+                return Ok(Loaded {
+                    target: req.target.clone(),
+                    tag: req.tag,
+                    buf,
+                    verified: true,
+                });
+            }
+        }
+    }
+    Err(hash_mismatch(shared, &req.target, &req.pieces))
 }
 
 fn hash_mismatch(shared: &Shared, target: &Target, pieces: &[PieceSlot]) -> StorageError {

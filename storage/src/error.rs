@@ -108,6 +108,17 @@ pub enum StorageError {
         found: String,
     },
 
+    #[error(
+        "offset {offset}: read of {len} bytes failed on every replica: {}",
+        failures.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ")
+    )]
+    ReplicasFailed {
+        offset: u64,
+        len: u64,
+        /// One error per drive tried, first the drive the read was sent to.
+        failures: Vec<StorageError>,
+    },
+
     #[error("drive {drive} {path} offset {offset}: read of {len} bytes failed: {source}")]
     Read {
         drive: usize,

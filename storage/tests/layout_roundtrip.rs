@@ -541,3 +541,122 @@ fn fetch_by_layer_and_expert() {
     let err = engine.fetch_experts(2, &[3, 16], Lane::Demand).unwrap_err();
     assert!(err.to_string().contains("layer 2 expert 16"), "{err}");
 }
+
+/// Replicate mode survives a failing drive: with I/O errors injected at the start of every
+/// record on drive 0, every record still reads back byte for byte (hash-checked), the errors
+/// are counted on drive 0, and another replica served the failed pieces.
+#[test]
+fn replicate_reads_fail_over_to_another_replica() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, 8192), &NoProgress).unwrap();
+    let faults: Vec<Fault> = m
+        .records
+        .iter()
+        .map(|r| Fault::Eio {
+            path_contains: "drive0".into(),
+            offset: r.offset,
+        })
+        .collect();
+    let backend = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        faults,
+    ));
+    let hits = backend.hits.clone();
+    let engine = engine_with(&ds, backend, HashCheck::All);
+    check_all_records(&ckpt, &engine);
+    let failed = hits.load(std::sync::atomic::Ordering::Relaxed);
+    let stats = engine.stats();
+    assert!(
+        failed > 0,
+        "drive 0 never served a record start: the test proves nothing"
+    );
+    assert_eq!(stats[0].read_errors, failed);
+    assert_eq!(stats[1].read_errors, 0);
+    assert_eq!(engine.replica_recoveries(), failed);
+    // Once drive 0 has failed, new pieces go to drive 1.
+    let before = stats[0].reads;
+    check_all_records(&ckpt, &engine);
+    assert_eq!(
+        engine.stats()[0].reads,
+        before,
+        "the failing drive kept getting reads"
+    );
+}
+
+/// When every replica fails at the same offset the error names each drive's failure.
+#[test]
+fn replicate_read_fails_only_when_every_replica_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, 8192), &NoProgress).unwrap();
+    let rec = m.records.iter().find(|r| r.len > 20_000).unwrap().clone();
+    let bad = rec.offset + 9000; // inside the record's second 8 KiB piece
+    let faults = ["drive0", "drive1"]
+        .map(|d| Fault::Eio {
+            path_contains: d.into(),
+            offset: bad,
+        })
+        .to_vec();
+    let backend = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        faults,
+    ));
+    let engine = engine_with(&ds, backend, HashCheck::All);
+    let err = engine
+        .read_record(engine.record_index(&rec.id).unwrap(), None)
+        .unwrap_err();
+    match &err {
+        StorageError::ReplicasFailed { failures, .. } => {
+            assert_eq!(failures.len(), 2, "{err}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("drive0/m/data.bin") && msg.contains("drive1/m/data.bin"),
+                "{msg}"
+            );
+        }
+        other => panic!("unexpected {other}"),
+    }
+}
+
+/// Silent corruption of one copy: a record whose bytes fail their hash is read again whole
+/// from each replica and the good copy is returned; with both copies corrupt the hash error
+/// stands.
+#[test]
+fn replicate_hash_mismatch_reads_the_other_copy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, 8192), &NoProgress).unwrap();
+    // Flip one byte in every record on drive 0.
+    let flips = |drives: &[&str]| -> Vec<Fault> {
+        m.records
+            .iter()
+            .flat_map(|r| {
+                drives.iter().map(move |d| Fault::FlipByte {
+                    path_contains: (*d).into(),
+                    offset: r.offset + r.len / 2,
+                })
+            })
+            .collect()
+    };
+    let backend = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        flips(&["drive0"]),
+    ));
+    let hits = backend.hits.clone();
+    let engine = engine_with(&ds, backend, HashCheck::All);
+    check_all_records(&ckpt, &engine);
+    assert!(hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert!(engine.replica_recoveries() > 0);
+
+    let backend = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        flips(&["drive0", "drive1"]),
+    ));
+    let engine = engine_with(&ds, backend, HashCheck::All);
+    let err = engine.read_record(0, None).unwrap_err();
+    assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
+}

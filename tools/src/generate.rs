@@ -742,6 +742,7 @@ pub(crate) fn run_measured_with(
                         reads: d.reads - before.reads,
                         busy: d.busy.saturating_sub(before.busy),
                         direct_io: d.direct_io,
+                        read_errors: d.read_errors - before.read_errors,
                     }
                 })
                 .collect()

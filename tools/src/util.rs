@@ -75,6 +75,7 @@ pub fn drive_stats_json(drives: &[deltafin_storage::engine::DriveStats]) -> serd
                 "reads": d.reads,
                 "busy_s": d.busy.as_secs_f64(),
                 "direct_io": d.direct_io,
+                "read_errors": d.read_errors,
             })
         })
         .collect::<Vec<_>>()
