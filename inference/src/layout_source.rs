@@ -26,7 +26,7 @@ use deltafin_storage::buffer::AlignedBuf;
 use deltafin_storage::engine::{
     Completion, DriveStats, Engine, EngineConfig, HashCheck, Lane, ReadBuf, Target, Ticket,
 };
-use deltafin_storage::layout::open_layout;
+use deltafin_storage::layout::open_layout_degraded;
 use deltafin_storage::manifest::{Manifest, RecordId, RecordTensor};
 use deltafin_storage::stripe::{align_up, Mode};
 use deltafin_storage::StorageError;
@@ -751,6 +751,7 @@ fn expert_view<'a>(tensors: &'a [RecordTensor], bytes: &'a [u8]) -> ExpertView<'
 /// A [`WeightSource`] reading a deltafin layout through the storage engine.
 #[derive(Debug)]
 pub struct LayoutSource {
+    unavailable: Vec<String>,
     drive_dirs: Vec<PathBuf>,
     resident: ResidentSet,
     fetcher: ExpertFetcher,
@@ -769,7 +770,9 @@ impl LayoutSource {
         options: &LayoutSourceOptions,
         on_progress: &mut dyn FnMut(&LoadProgress),
     ) -> Result<LayoutSource> {
-        let (manifest, drive_dirs) = open_layout(path)?;
+        // A replicated layout opens with drives missing; the others serve every record.
+        let (manifest, drive_dirs, unavailable) = open_layout_degraded(path)?;
+        let unavailable = unavailable.iter().map(ToString::to_string).collect();
         let config = EngineConfig {
             threads_per_drive: options.threads_per_drive,
             buffer_cap_bytes: options.buffer_cap_bytes,
@@ -780,6 +783,7 @@ impl LayoutSource {
         let engine = Engine::open(Arc::new(manifest), &drive_dirs, config)?;
         let resident = load_resident(&engine, options.resident_in_flight.max(1), on_progress)?;
         Ok(LayoutSource {
+            unavailable,
             drive_dirs,
             resident,
             fetcher: ExpertFetcher::new(engine, options.buffer_cap_bytes, options.cache_policy),
@@ -788,6 +792,13 @@ impl LayoutSource {
 
     pub fn manifest(&self) -> &Manifest {
         self.fetcher.manifest()
+    }
+
+    /// Drives of a replicated layout that could not be used at open (missing, foreign or
+    /// truncated copies), one message each naming the drive and path; the other copies serve
+    /// every read.
+    pub fn unavailable_drives(&self) -> &[String] {
+        &self.unavailable
     }
 
     /// The layout folder on each drive, in drive order.

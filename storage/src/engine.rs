@@ -12,7 +12,8 @@
 //! Replicate mode tolerates a failing copy: a piece whose read fails is read from the other
 //! drives in turn (the failing drive then gets no new pieces while a healthy one remains), and a
 //! record whose bytes fail their hash is read again whole from each drive until a copy matches.
-//! Only when every copy fails does the request fail, naming each drive's error.
+//! Only when every copy fails does the request fail, naming each drive's error. A replica whose
+//! data file cannot be opened at all starts out failed (see `layout::open_layout_degraded`).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -321,20 +322,35 @@ impl Engine {
         }
         let mut drives = Vec::new();
         let mut receivers = Vec::new();
+        let replicated = manifest.mode == Mode::Replicate && manifest.drives.len() > 1;
+        let mut first_missing = None;
         for (i, entry) in manifest.drives.iter().enumerate() {
             let dir = drive_paths
                 .get(i)
                 .cloned()
                 .unwrap_or_else(|| entry.path.clone());
             let path = dir.join(DATA_FILE);
-            let file = config
-                .backend
-                .open(&path)
-                .map_err(|e| StorageError::MissingDrive {
-                    drive: i,
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?;
+            let (file, errors) = match config.backend.open(&path) {
+                Ok(f) => (f, 0),
+                // A replica that cannot be opened is a drive whose every read fails: it starts
+                // marked as failed, so the others serve its share.
+                Err(e) if replicated => {
+                    let reason = e.to_string();
+                    first_missing.get_or_insert(StorageError::MissingDrive {
+                        drive: i,
+                        path: path.clone(),
+                        reason: reason.clone(),
+                    });
+                    (Arc::new(Unavailable(reason)) as Arc<dyn IoFile>, 1)
+                }
+                Err(e) => {
+                    return Err(StorageError::MissingDrive {
+                        drive: i,
+                        path: path.clone(),
+                        reason: e.to_string(),
+                    })
+                }
+            };
             let (dtx, drx) = bounded(config.queue_capacity);
             let (ptx, prx) = bounded(config.queue_capacity);
             drives.push(Drive {
@@ -344,10 +360,15 @@ impl Engine {
                 outstanding: AtomicU64::new(0),
                 bytes_read: AtomicU64::new(0),
                 reads: AtomicU64::new(0),
-                read_errors: AtomicU64::new(0),
+                read_errors: AtomicU64::new(errors),
                 busy: Mutex::new(BusyClock::default()),
             });
             receivers.push((drx, prx));
+        }
+        if let Some(e) = first_missing {
+            if drives.iter().all(|d| !d.healthy()) {
+                return Err(e);
+            }
         }
         let index = manifest
             .records
@@ -635,6 +656,23 @@ impl Drop for Engine {
                 }
             }
         }
+    }
+}
+
+/// Stands in for a replica whose data file could not be opened: every read fails.
+#[derive(Debug)]
+struct Unavailable(String);
+
+impl IoFile for Unavailable {
+    fn read_at(&self, _buf: &mut [u8], _offset: u64) -> std::io::Result<usize> {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("drive unavailable: {}", self.0),
+        ))
+    }
+
+    fn is_direct(&self) -> bool {
+        true // it reads nothing, so nothing through the page cache
     }
 }
 

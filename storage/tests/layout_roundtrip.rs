@@ -660,3 +660,53 @@ fn replicate_hash_mismatch_reads_the_other_copy() {
     let err = engine.read_record(0, None).unwrap_err();
     assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
 }
+
+/// A replicated layout opens and reads every record with one drive's data file gone (the
+/// strict open names the missing file); a striped one does not open; with every copy gone
+/// nothing opens.
+#[test]
+fn replicate_opens_degraded_with_a_drive_missing() {
+    use deltafin_storage::layout::open_layout_degraded;
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 3);
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, 8192), &NoProgress).unwrap();
+    std::fs::remove_file(ds[1].join("m").join(DATA_FILE)).unwrap();
+    let strict = open_layout(&ds[0].join("m")).unwrap_err();
+    assert!(
+        matches!(strict, StorageError::MissingDrive { drive: 1, ref path, .. } if path.ends_with("drive1/m/data.bin")),
+        "{strict}"
+    );
+    let (manifest, dirs, problems) = open_layout_degraded(&ds[0].join("m")).unwrap();
+    assert_eq!(problems.len(), 1);
+    assert!(
+        problems[0].to_string().contains("drive1"),
+        "{}",
+        problems[0]
+    );
+    let cfg = EngineConfig {
+        threads_per_drive: 2,
+        buffer_cap_bytes: 64 << 20,
+        queue_capacity: 1024,
+        hash_check: HashCheck::All,
+        backend: Arc::new(PosixBackend::default()),
+    };
+    let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+    check_all_records(&ckpt, &engine);
+    let stats = engine.stats();
+    assert_eq!(stats[1].bytes_read, 0);
+    assert!(stats[0].bytes_read > 0 && stats[2].bytes_read > 0);
+
+    // Every copy but the one pointed at gone, then that one too.
+    std::fs::remove_file(ds[2].join("m").join(DATA_FILE)).unwrap();
+    let (_, _, problems) = open_layout_degraded(&ds[0].join("m")).unwrap();
+    assert_eq!(problems.len(), 2);
+    std::fs::remove_file(ds[0].join("m").join(DATA_FILE)).unwrap();
+    assert!(open_layout_degraded(&ds[0].join("m")).is_err());
+
+    let tmp = tempfile::tempdir().unwrap();
+    let ds = drives(tmp.path(), 2);
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap();
+    std::fs::remove_file(ds[1].join("m").join(DATA_FILE)).unwrap();
+    assert!(open_layout_degraded(&ds[0].join("m")).is_err());
+}

@@ -357,6 +357,9 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
             .with_context(|| format!("opening layout {}", m.display()));
             bar.finish_and_clear();
             let src = src?;
+            for problem in src.unavailable_drives() {
+                eprintln!("warning: {problem}; reading from the other replicas");
+            }
             if !src.engine().direct_io() {
                 eprintln!(
                     "note: a drive's filesystem refused O_DIRECT; reading through the page cache"

@@ -214,6 +214,57 @@ fn generate_and_logits_from_layouts() {
     }
 }
 
+/// A replicated layout with one drive gone still generates the reference tokens from the other
+/// copy, warns about the missing drive, and reads nothing from it; a striped one refuses.
+#[test]
+fn replicated_layout_runs_with_a_drive_missing() {
+    let name = "deepseek_v3_int4";
+    let (_, ids, greedy) = reference(name);
+    let (_tmp, dirs) = lay_out(name, Mode::Replicate, 2);
+    std::fs::remove_file(dirs[1].join("data.bin")).unwrap();
+    let out = deltafin(&[
+        "generate",
+        "--model",
+        dirs[0].to_str().unwrap(),
+        "--prompt-ids",
+        &ids,
+        "-n",
+        "20",
+        "--json",
+        "--hash-check",
+        "all",
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: drive 1") && stderr.contains("data.bin"),
+        "{stderr}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(stdout.trim_end().lines().last().unwrap()).unwrap();
+    assert_eq!(tokens(&v), greedy);
+    assert_eq!(v["drive_stats"][1]["bytes_read"], 0);
+
+    let (_tmp, dirs) = lay_out("qwen3_moe_a", Mode::Stripe, 2);
+    std::fs::remove_file(dirs[1].join("data.bin")).unwrap();
+    let out = deltafin(&[
+        "generate",
+        "--model",
+        dirs[0].to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "-n",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("drive 1") && stderr.contains("data.bin"),
+        "{stderr}"
+    );
+}
+
 /// A word-level tokenizer.json: token `wI` is id I.
 fn write_tokenizer(path: &Path, vocab: usize) {
     let words: serde_json::Map<String, serde_json::Value> = (0..vocab)
