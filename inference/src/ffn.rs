@@ -67,8 +67,9 @@ pub struct DenseMlp {
 
 impl DenseMlp {
     pub fn apply(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let g = self.gate_proj.forward(x, n);
-        let u = self.up_proj.forward(x, n);
+        // Gate and up in one pass over the same (once-quantized) inputs.
+        let mut gu = Linear::forward_many(&[&self.gate_proj, &self.up_proj], x, n).into_iter();
+        let (g, u) = (gu.next().unwrap_or_default(), gu.next().unwrap_or_default());
         let h: Vec<f32> = g
             .iter()
             .zip(&u)
@@ -236,8 +237,8 @@ impl ExpertShape {
             let up = mat("up_proj", it, hd)?;
             let mut g = vec![0f32; m * it];
             let mut u = vec![0f32; m * it];
-            gate.matmul(x, m, &mut g);
-            up.matmul(x, m, &mut u);
+            // One pass over the same (once-quantized) inputs for both.
+            crate::linear::matmul_many(&[&gate, &up], x, m, &mut [&mut g, &mut u]);
             for ((o, &g), &u) in h.iter_mut().zip(&g).zip(&u) {
                 *o = act.apply(g) * u;
             }

@@ -348,6 +348,16 @@ impl<'a> WeightMatrix<'a> {
     }
 }
 
+/// [`WeightMatrix::matmul`] of several matrices against the same inputs in one parallel pass
+/// (inputs quantized once): `outs[i] = x @ mats[i]^T`, each as the single call gives it.
+pub fn matmul_many(mats: &[&WeightMatrix<'_>], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+    let Some(first) = mats.first() else {
+        return;
+    };
+    let act = crate::kernels::model_act(crate::kernels::Kind::of(first.format));
+    crate::kernels::matmul_many_with(crate::kernels::Isa::detect(), mats, x, n, outs, act)
+}
+
 /// Quantization settings from `config.json` that the checkpoint's tensors do not state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuantHints {
@@ -662,6 +672,26 @@ impl Linear {
             }
         }
         out
+    }
+
+    /// [`Linear::forward`] of several layers on the same inputs, in one parallel pass (the
+    /// inputs quantized once): a SwiGLU's gate and up.
+    pub fn forward_many(layers: &[&Linear], x: &[f32], n: usize) -> Vec<Vec<f32>> {
+        let mut outs: Vec<Vec<f32>> = layers.iter().map(|l| vec![0f32; n * l.rows]).collect();
+        let views: Vec<WeightMatrix<'_>> = layers.iter().map(|l| l.view()).collect();
+        let refs: Vec<&WeightMatrix<'_>> = views.iter().collect();
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        matmul_many(&refs, x, n, &mut slices);
+        for (l, out) in layers.iter().zip(&mut outs) {
+            if let Some(b) = &l.bias {
+                for row in out.chunks_mut(l.rows) {
+                    for (o, b) in row.iter_mut().zip(b) {
+                        *o += b;
+                    }
+                }
+            }
+        }
+        outs
     }
 
     /// Bytes held (weights + scales).
