@@ -2,11 +2,14 @@
 # Issue 5: bytes read per token and tokens/s with routed experts quantized at layout time
 # (bf16, q8, int4, mxfp4) on 4 emulated drives (stripe, equal throttles), I/O-bound.
 # Writes benches/results/quant_scaling.json.   sudo benches/quant_scaling.sh [--bps B] [--ram-budget 700M]
+#   --budgets "bf16=700M mxfp4=377M": a RAM budget per format (e.g. the same expert-cache *count*
+#   for every format, so that bytes per token show the record-size ratio alone); --out FILE.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(dirname "$here")
-ORIG_ARGS="$*"; BPS=$((150 * 1024 * 1024)); PRESET=medium; BUDGET=700M; NEW=32; FORMATS="bf16 q8 int4 mxfp4"
+ORIG_ARGS="$*"; BPS=$((150 * 1024 * 1024)); PRESET=medium; BUDGET=700M; NEW=32; FORMATS="bf16 q8 int4 mxfp4"; BUDGETS=""
+OUT="$here/results/quant_scaling.json"
 while [ $# -gt 0 ]; do
-    case $1 in --bps) BPS=$2; shift 2 ;; --ram-budget) BUDGET=$2; shift 2 ;; --new-tokens) NEW=$2; shift 2 ;; --formats) FORMATS=$2; shift 2 ;; *) echo "unknown $1" >&2; exit 2 ;; esac
+    case $1 in --bps) BPS=$2; shift 2 ;; --ram-budget) BUDGET=$2; shift 2 ;; --new-tokens) NEW=$2; shift 2 ;; --formats) FORMATS=$2; shift 2 ;; --budgets) BUDGETS=$2; shift 2 ;; --out) OUT=$2; shift 2 ;; *) echo "unknown $1" >&2; exit 2 ;; esac
 done
 source "$here/emulated_drives.sh"
 export BENCH_CMD="benches/quant_scaling.sh $ORIG_ARGS"
@@ -25,10 +28,13 @@ for f in $FORMATS; do
     q=(); [ "$f" = bf16 ] || q=(--quantize-experts "$f")
     "$bin" layout --model "$work/$PRESET" "${args[@]}" --mode stripe --name "q-$f" --force -q "${q[@]}" >&2
     drop_caches
-    in_throttled "$bin" bench generate "$BENCH_MNT/d0/q-$f" --json --prompts short --new-tokens "$NEW" --repeats 1 --ram-budget "$BUDGET" > "$tmp/$f.json"
+    budget=$BUDGET
+    for fb in $BUDGETS; do [ "${fb%%=*}" = "$f" ] && budget=${fb#*=}; done
+    echo "$budget" > "$tmp/$f.budget"
+    in_throttled "$bin" bench generate "$BENCH_MNT/d0/q-$f" --json --prompts short --new-tokens "$NEW" --repeats 1 --ram-budget "$budget" > "$tmp/$f.json"
     for i in 0 1 2 3; do rm -rf "$BENCH_MNT/d$i/q-$f"; done
 done
-python3 - "$tmp" "$repo/benches/results/quant_scaling.json" "$BPS" "$BUDGET" $FORMATS <<'PY'
+python3 - "$tmp" "$OUT" "$BPS" "$BUDGET" $FORMATS <<'PY'
 import json, sys, os, datetime
 tmp, out, bps, budget, *formats = sys.argv[1:]
 rows = {}
@@ -43,7 +49,8 @@ b = rows.get("bf16")
 summary = {f: {"tokens_per_s": v["tokens_per_s_median"], "bytes_per_token": v["bytes_read_per_token_median"],
                "bytes_per_token_ratio_vs_bf16": (b["bytes_read_per_token_median"] / v["bytes_read_per_token_median"]) if b else None,
                "tokens_per_s_ratio_vs_bf16": (v["tokens_per_s_median"] / b["tokens_per_s_median"]) if b else None,
-               "hit_rate": v["expert_cache_hit_rate_median"]} for f, v in rows.items()}
+               "hit_rate": v["expert_cache_hit_rate_median"],
+               "ram_budget": open(os.path.join(tmp, f + ".budget")).read().strip()} for f, v in rows.items()}
 json.dump({"benchmark": "quant_scaling", "date": datetime.datetime.utcnow().isoformat() + "Z", "command": os.environ.get("BENCH_CMD", ""),
            "throttle_bytes_per_s_per_drive": int(bps), "ram_budget": budget, "drives": 4, "mode": "stripe",
            "summary": summary, "rows": rows}, open(out, "w"), indent=1)
