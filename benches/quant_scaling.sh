@@ -44,12 +44,15 @@ for f in formats:
     rows[f] = {"tokens_per_s_median": sum(x["tokens_per_s_median"] for x in r) / len(r),
                "bytes_read_per_token_median": sum(x["bytes_read_per_token_median"] for x in r) / len(r),
                "expert_cache_hit_rate_median": sum(x["expert_cache_hit_rate_median"] for x in r) / len(r),
+               "bytes_per_expert_fetched": sum(x["runs"][0]["expert_bytes"] for x in r) / max(1, sum(x["runs"][0]["experts_fetched"] for x in r)),
                "rows": r}
 b = rows.get("bf16")
 summary = {f: {"tokens_per_s": v["tokens_per_s_median"], "bytes_per_token": v["bytes_read_per_token_median"],
                "bytes_per_token_ratio_vs_bf16": (b["bytes_read_per_token_median"] / v["bytes_read_per_token_median"]) if b else None,
                "tokens_per_s_ratio_vs_bf16": (v["tokens_per_s_median"] / b["tokens_per_s_median"]) if b else None,
                "hit_rate": v["expert_cache_hit_rate_median"],
+               "bytes_per_expert_fetched": v["bytes_per_expert_fetched"],
+               "bytes_per_expert_fetched_ratio_vs_bf16": (b["bytes_per_expert_fetched"] / v["bytes_per_expert_fetched"]) if b else None,
                "ram_budget": open(os.path.join(tmp, f + ".budget")).read().strip()} for f, v in rows.items()}
 json.dump({"benchmark": "quant_scaling", "date": datetime.datetime.utcnow().isoformat() + "Z", "command": os.environ.get("BENCH_CMD", ""),
            "throttle_bytes_per_s_per_drive": int(bps), "ram_budget": budget, "drives": 4, "mode": "stripe",
