@@ -81,6 +81,10 @@ pub struct EngineConfig {
     pub queue_capacity: usize,
     pub hash_check: HashCheck,
     pub backend: Arc<dyn IoBackend>,
+    /// Replicate mode: after a read error a drive gets no new pieces (while another replica is
+    /// healthy) for this long, then it is tried again; a drive that keeps failing is retried
+    /// once per period.
+    pub replica_retry_after: Duration,
 }
 
 impl Default for EngineConfig {
@@ -91,6 +95,7 @@ impl Default for EngineConfig {
             queue_capacity: 8192,
             hash_check: HashCheck::Sampled(16),
             backend: Arc::new(PosixBackend::default()),
+            replica_retry_after: Duration::from_secs(10),
         }
     }
 }
@@ -176,15 +181,35 @@ struct Drive {
     outstanding: AtomicU64,
     bytes_read: AtomicU64,
     reads: AtomicU64,
-    /// Reads of this drive that failed (I/O error or short read). In replicate mode a drive
-    /// with errors gets no new pieces while another replica has none.
+    /// Reads of this drive that failed (I/O error or short read).
     read_errors: AtomicU64,
+    /// When the last read failed: milliseconds after `epoch`, plus one (0: never).
+    failed_at_ms: AtomicU64,
+    epoch: Instant,
+    retry_after: Duration,
     busy: Mutex<BusyClock>,
 }
 
 impl Drive {
+    /// No read error within the last `retry_after` (replicate mode sends pieces to healthy
+    /// drives while there are any).
     fn healthy(&self) -> bool {
-        self.read_errors.load(Ordering::Relaxed) == 0
+        match self.failed_at_ms.load(Ordering::Relaxed) {
+            0 => true,
+            at => {
+                let now = self.epoch.elapsed().as_millis() as u64 + 1;
+                now.saturating_sub(at) >= self.retry_after.as_millis() as u64
+            }
+        }
+    }
+
+    /// Count a failed read and keep new pieces off this drive for `retry_after`.
+    fn mark_failed(&self) {
+        self.read_errors.fetch_add(1, Ordering::Relaxed);
+        self.failed_at_ms.store(
+            self.epoch.elapsed().as_millis() as u64 + 1,
+            Ordering::Relaxed,
+        );
     }
 
     fn busy_enter(&self) {
@@ -331,7 +356,7 @@ impl Engine {
                 .unwrap_or_else(|| entry.path.clone());
             let path = dir.join(DATA_FILE);
             let (file, errors) = match config.backend.open(&path) {
-                Ok(f) => (f, 0),
+                Ok(f) => (f, false),
                 // A replica that cannot be opened is a drive whose every read fails: it starts
                 // marked as failed, so the others serve its share.
                 Err(e) if replicated => {
@@ -341,7 +366,7 @@ impl Engine {
                         path: path.clone(),
                         reason: reason.clone(),
                     });
-                    (Arc::new(Unavailable(reason)) as Arc<dyn IoFile>, 1)
+                    (Arc::new(Unavailable(reason)) as Arc<dyn IoFile>, true)
                 }
                 Err(e) => {
                     return Err(StorageError::MissingDrive {
@@ -360,14 +385,23 @@ impl Engine {
                 outstanding: AtomicU64::new(0),
                 bytes_read: AtomicU64::new(0),
                 reads: AtomicU64::new(0),
-                read_errors: AtomicU64::new(errors),
+                read_errors: AtomicU64::new(0),
+                failed_at_ms: AtomicU64::new(0),
+                epoch: Instant::now(),
+                retry_after: config.replica_retry_after,
                 busy: Mutex::new(BusyClock::default()),
             });
+            if errors {
+                drives[i].mark_failed();
+            }
             receivers.push((drx, prx));
         }
         if let Some(e) = first_missing {
-            if drives.iter().all(|d| !d.healthy()) {
-                return Err(e);
+            if drives
+                .iter()
+                .all(|d| d.read_errors.load(Ordering::Relaxed) > 0)
+            {
+                return Err(e); // no copy could be opened
             }
         }
         let index = manifest
@@ -676,8 +710,8 @@ impl IoFile for Unavailable {
     }
 }
 
-/// The drive with the fewest outstanding bytes, among the drives without read errors if any
-/// (replicate mode).
+/// The drive with the fewest outstanding bytes, among the drives without a recent read error
+/// if any (replicate mode).
 fn least_loaded(drives: &[Drive]) -> usize {
     let any_healthy = drives.iter().any(Drive::healthy);
     let mut best = 0;
@@ -722,7 +756,7 @@ fn read_other_replica(
                 return Ok(o);
             }
             Err(e) => {
-                drive.read_errors.fetch_add(1, Ordering::Relaxed);
+                drive.mark_failed();
                 failures.push(e);
             }
         }
@@ -828,7 +862,7 @@ fn worker(shared: Arc<Shared>, d: usize, lanes: Arc<Vec<(Receiver<Job>, Receiver
                 drive.reads.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
-                drive.read_errors.fetch_add(1, Ordering::Relaxed);
+                drive.mark_failed();
                 // Every drive of a replicated layout holds the same bytes at the same offset.
                 let recovered = if shared.manifest.mode == Mode::Replicate
                     && matches!(req.target, Target::Record(_))
@@ -950,7 +984,7 @@ fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<L
                 let r = read_full(drive, k, dst, p.file_offset);
                 drive.busy_leave();
                 if r.is_err() {
-                    drive.read_errors.fetch_add(1, Ordering::Relaxed);
+                    drive.mark_failed();
                     ok = false;
                     break;
                 }

@@ -55,6 +55,7 @@ fn engine_with(
         queue_capacity: 1024,
         hash_check: hash,
         backend,
+        replica_retry_after: Duration::from_secs(10),
     };
     Engine::open(Arc::new(manifest), &dirs, cfg).unwrap()
 }
@@ -293,6 +294,7 @@ fn demand_overtakes_prefetch_and_prefetch_can_be_cancelled() {
         queue_capacity: 1024,
         hash_check: HashCheck::Off,
         backend: slow,
+        replica_retry_after: Duration::from_secs(10),
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     let experts: Vec<usize> = m
@@ -486,6 +488,7 @@ fn replicate_reads_go_to_the_least_loaded_drive() {
             queue_capacity: 4096,
             hash_check: HashCheck::All,
             backend,
+            ..EngineConfig::default()
         };
         let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
         let (rx, _t) = engine.fetch(&experts, Lane::Demand).unwrap();
@@ -690,6 +693,7 @@ fn replicate_opens_degraded_with_a_drive_missing() {
         queue_capacity: 1024,
         hash_check: HashCheck::All,
         backend: Arc::new(PosixBackend::default()),
+        replica_retry_after: Duration::from_secs(10),
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     check_all_records(&ckpt, &engine);
@@ -709,4 +713,58 @@ fn replicate_opens_degraded_with_a_drive_missing() {
     write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap();
     std::fs::remove_file(ds[1].join("m").join(DATA_FILE)).unwrap();
     assert!(open_layout_degraded(&ds[0].join("m")).is_err());
+}
+
+/// A replica that failed once gets pieces again after `replica_retry_after`: one EIO on drive
+/// 0 sends the following reads to drive 1, and once the period has passed drive 0 serves
+/// reads again.
+#[test]
+fn a_failed_replica_is_tried_again_after_the_retry_period() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, 8192), &NoProgress).unwrap();
+    let first = m.records[0].clone();
+    let backend = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        vec![Fault::Eio {
+            path_contains: "drive0".into(),
+            offset: first.offset,
+        }],
+    ));
+    let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
+    let cfg = EngineConfig {
+        threads_per_drive: 1,
+        buffer_cap_bytes: 64 << 20,
+        queue_capacity: 1024,
+        hash_check: HashCheck::All,
+        backend,
+        replica_retry_after: Duration::from_millis(300),
+    };
+    let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+    // Read record 0 until drive 0 has failed once (a stealing worker may serve it from drive 1).
+    let mut tries = 0;
+    while engine.stats()[0].read_errors == 0 {
+        engine.read_record(0, None).unwrap();
+        tries += 1;
+        assert!(tries < 1000, "drive 0 never got record 0");
+    }
+    let reads0 = engine.stats()[0].reads;
+    // Within the retry period: every piece goes to drive 1.
+    for i in 1..m.records.len().min(20) {
+        engine.read_record(i, None).unwrap();
+    }
+    assert_eq!(
+        engine.stats()[0].reads,
+        reads0,
+        "a failed drive got pieces within the period"
+    );
+    std::thread::sleep(Duration::from_millis(350));
+    for i in 1..m.records.len().min(20) {
+        engine.read_record(i, None).unwrap();
+    }
+    assert!(
+        engine.stats()[0].reads > reads0,
+        "drive 0 was not tried again"
+    );
 }
