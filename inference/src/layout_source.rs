@@ -771,13 +771,15 @@ impl LayoutSource {
         on_progress: &mut dyn FnMut(&LoadProgress),
     ) -> Result<LayoutSource> {
         // A replicated layout opens with drives missing; the others serve every record.
-        let (manifest, drive_dirs, unavailable) = open_layout_degraded(path)?;
-        let unavailable = unavailable.iter().map(ToString::to_string).collect();
+        let (manifest, drive_dirs, problems) = open_layout_degraded(path)?;
+        let unavailable_drives = problems.iter().map(|(d, _)| *d).collect();
+        let unavailable = problems.iter().map(|(_, e)| e.to_string()).collect();
         let config = EngineConfig {
             threads_per_drive: options.threads_per_drive,
             buffer_cap_bytes: options.buffer_cap_bytes,
             hash_check: options.hash_check,
             backend: options.backend.clone(),
+            unavailable_drives,
             ..EngineConfig::default()
         };
         let engine = Engine::open(Arc::new(manifest), &drive_dirs, config)?;

@@ -354,7 +354,18 @@ pub fn matmul_many(mats: &[&WeightMatrix<'_>], x: &[f32], n: usize, outs: &mut [
     let Some(first) = mats.first() else {
         return;
     };
-    let act = crate::kernels::model_act(crate::kernels::Kind::of(first.format));
+    let kind = crate::kernels::Kind::of(first.format);
+    if mats
+        .iter()
+        .any(|m| crate::kernels::Kind::of(m.format) != kind)
+    {
+        // Each format with its own activation precision.
+        for (m, out) in mats.iter().zip(outs.iter_mut()) {
+            m.matmul(x, n, out);
+        }
+        return;
+    }
+    let act = crate::kernels::model_act(kind);
     crate::kernels::matmul_many_with(crate::kernels::Isa::detect(), mats, x, n, outs, act)
 }
 

@@ -85,6 +85,9 @@ pub struct EngineConfig {
     /// healthy) for this long, then it is tried again; a drive that keeps failing is retried
     /// once per period.
     pub replica_retry_after: Duration,
+    /// Replicate mode: drives not to read at all (copies that `open_layout_degraded` found
+    /// missing, foreign or truncated); the others serve every record.
+    pub unavailable_drives: Vec<usize>,
 }
 
 impl Default for EngineConfig {
@@ -96,6 +99,7 @@ impl Default for EngineConfig {
             hash_check: HashCheck::Sampled(16),
             backend: Arc::new(PosixBackend::default()),
             replica_retry_after: Duration::from_secs(10),
+            unavailable_drives: Vec::new(),
         }
     }
 }
@@ -162,7 +166,8 @@ pub struct DriveStats {
     /// Wall time with at least one read in flight on this drive.
     pub busy: Duration,
     pub direct_io: bool,
-    /// Failed reads (I/O errors, short reads) on this drive.
+    /// Failed reads on this drive: I/O errors, short reads, and (replicate mode) copies of a
+    /// record that failed their hash when re-read.
     pub read_errors: u64,
 }
 
@@ -185,6 +190,8 @@ struct Drive {
     read_errors: AtomicU64,
     /// When the last read failed: milliseconds after `epoch`, plus one (0: never).
     failed_at_ms: AtomicU64,
+    /// Never read: a replica that could not be opened or that the layout check rejected.
+    unavailable: bool,
     epoch: Instant,
     retry_after: Duration,
     busy: Mutex<BusyClock>,
@@ -194,6 +201,9 @@ impl Drive {
     /// No read error within the last `retry_after` (replicate mode sends pieces to healthy
     /// drives while there are any).
     fn healthy(&self) -> bool {
+        if self.unavailable {
+            return false;
+        }
         match self.failed_at_ms.load(Ordering::Relaxed) {
             0 => true,
             at => {
@@ -241,6 +251,8 @@ enum Job {
 struct PieceSlot {
     piece: Piece,
     claimed: AtomicBool,
+    /// The drive that served the piece (replicate mode may read it anywhere).
+    served_by: AtomicUsize,
 }
 
 /// Raw pointer to a request's buffer. Workers write disjoint ranges through it.
@@ -355,7 +367,13 @@ impl Engine {
                 .cloned()
                 .unwrap_or_else(|| entry.path.clone());
             let path = dir.join(DATA_FILE);
-            let (file, errors) = match config.backend.open(&path) {
+            let skip = replicated && config.unavailable_drives.contains(&i);
+            let opened = if skip {
+                Err(std::io::Error::other("rejected when the layout was opened"))
+            } else {
+                config.backend.open(&path)
+            };
+            let (file, unavailable) = match opened {
                 Ok(f) => (f, false),
                 // A replica that cannot be opened is a drive whose every read fails: it starts
                 // marked as failed, so the others serve its share.
@@ -387,20 +405,16 @@ impl Engine {
                 reads: AtomicU64::new(0),
                 read_errors: AtomicU64::new(0),
                 failed_at_ms: AtomicU64::new(0),
+                unavailable,
                 epoch: Instant::now(),
                 retry_after: config.replica_retry_after,
                 busy: Mutex::new(BusyClock::default()),
             });
-            if errors {
-                drives[i].mark_failed();
-            }
+
             receivers.push((drx, prx));
         }
         if let Some(e) = first_missing {
-            if drives
-                .iter()
-                .all(|d| d.read_errors.load(Ordering::Relaxed) > 0)
-            {
+            if drives.iter().all(|d| d.unavailable) {
                 return Err(e); // no copy could be opened
             }
         }
@@ -598,6 +612,7 @@ impl Engine {
                 .map(|piece| PieceSlot {
                     piece,
                     claimed: AtomicBool::new(false),
+                    served_by: AtomicUsize::new(piece.drive),
                 })
                 .collect(),
             remaining: AtomicUsize::new(n),
@@ -717,7 +732,7 @@ fn least_loaded(drives: &[Drive]) -> usize {
     let mut best = 0;
     let mut best_bytes = u64::MAX;
     for (i, d) in drives.iter().enumerate() {
-        if any_healthy && !d.healthy() {
+        if d.unavailable || (any_healthy && !d.healthy()) {
             continue;
         }
         let o = d.outstanding.load(Ordering::Relaxed);
@@ -740,7 +755,7 @@ fn read_other_replica(
 ) -> Result<usize> {
     let mut failures = vec![first];
     for (o, drive) in shared.drives.iter().enumerate() {
-        if o == failed {
+        if o == failed || drive.unavailable {
             continue;
         }
         drive.busy_enter();
@@ -841,10 +856,15 @@ fn worker(shared: Arc<Shared>, d: usize, lanes: Arc<Vec<(Receiver<Job>, Receiver
         // Raw reads name their drive; record pieces in replicate mode may be served by any
         // (by this worker's drive unless it has had read errors).
         let replicated = steal && matches!(req.target, Target::Record(_));
-        let rd = if replicated && shared.drives[d].healthy() {
-            d
-        } else {
+        let rd = if !replicated {
             p.drive
+        } else if shared.drives[d].healthy() {
+            d
+        } else if shared.drives[p.drive].healthy() {
+            p.drive
+        } else {
+            // Queued to a drive that has failed since: another replica, if one is healthy.
+            least_loaded(&shared.drives)
         };
         let drive = &shared.drives[rd];
         // SAFETY: [buf_offset, buf_offset+len) lies within the buffer's capacity (pieces cover
@@ -860,6 +880,7 @@ fn worker(shared: Arc<Shared>, d: usize, lanes: Arc<Vec<(Receiver<Job>, Receiver
             Ok(()) => {
                 drive.bytes_read.fetch_add(p.len, Ordering::Relaxed);
                 drive.reads.fetch_add(1, Ordering::Relaxed);
+                slot.served_by.store(rd, Ordering::Relaxed);
             }
             Err(e) => {
                 drive.mark_failed();
@@ -872,8 +893,9 @@ fn worker(shared: Arc<Shared>, d: usize, lanes: Arc<Vec<(Receiver<Job>, Receiver
                 } else {
                     Err(e)
                 };
-                if let Err(e) = recovered {
-                    set_error(&req, e);
+                match recovered {
+                    Ok(o) => slot.served_by.store(o, Ordering::Relaxed),
+                    Err(e) => set_error(&req, e),
                 }
             }
         }
@@ -969,7 +991,21 @@ fn complete(shared: &Shared, req: &Arc<InFlight>) {
 fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<Loaded> {
     let replicated = shared.manifest.mode == Mode::Replicate && shared.drives.len() > 1;
     if let (true, Target::Record(_), Some(want)) = (replicated, &req.target, &req.expected_hash) {
-        for (k, drive) in shared.drives.iter().enumerate() {
+        // The drives that served the bad read first, so that a corrupt copy is found and
+        // marked (it gets no pieces for a while), then the others.
+        let mut order: Vec<usize> = req
+            .pieces
+            .iter()
+            .map(|slot| slot.served_by.load(Ordering::Relaxed))
+            .collect();
+        order.extend(0..shared.drives.len());
+        let mut seen = vec![false; shared.drives.len()];
+        order.retain(|&k| k < seen.len() && !std::mem::replace(&mut seen[k], true));
+        for k in order {
+            let drive = &shared.drives[k];
+            if drive.unavailable {
+                continue;
+            }
             let mut ok = true;
             let base = buf.as_mut_ptr();
             for slot in &req.pieces {
@@ -991,15 +1027,21 @@ fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<L
                 drive.bytes_read.fetch_add(p.len, Ordering::Relaxed);
                 drive.reads.fetch_add(1, Ordering::Relaxed);
             }
-            if ok && blake3::hash(&buf[..req.payload_len]).to_hex().as_str() == want {
-                shared.replica_recoveries.fetch_add(1, Ordering::Relaxed);
-                return Ok(Loaded {
-                    target: req.target.clone(),
-                    tag: req.tag,
-                    buf,
-                    verified: true,
-                });
+            if !ok {
+                continue;
             }
+            if blake3::hash(&buf[..req.payload_len]).to_hex().as_str() != want {
+                // This copy of the record is corrupt: count it and rest the drive.
+                drive.mark_failed();
+                continue;
+            }
+            shared.replica_recoveries.fetch_add(1, Ordering::Relaxed);
+            return Ok(Loaded {
+                target: req.target.clone(),
+                tag: req.tag,
+                buf,
+                verified: true,
+            });
         }
     }
     Err(hash_mismatch(shared, &req.target, &req.pieces))

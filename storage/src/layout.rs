@@ -704,16 +704,20 @@ pub fn open_layout(path: &Path) -> Result<(Manifest, Vec<PathBuf>)> {
     let (manifest, dirs, mut unavailable) = open_layout_degraded(path)?;
     match unavailable.is_empty() {
         true => Ok((manifest, dirs)),
-        false => Err(unavailable.swap_remove(0)),
+        false => Err(unavailable.swap_remove(0).1),
     }
 }
 
 /// [`open_layout`], except that a replicated layout with some drives missing, foreign or
 /// truncated still opens from the drives that are fine: their problems come back as the third
-/// value (each names the drive and path), and the [`crate::engine::Engine`] reads every record
-/// from the remaining copies. A striped layout needs every drive, so any problem is an error,
-/// as is a replicated one with no usable drive.
-pub fn open_layout_degraded(path: &Path) -> Result<(Manifest, Vec<PathBuf>, Vec<StorageError>)> {
+/// value (drive index and the error naming its path); pass the indices as
+/// [`crate::engine::EngineConfig::unavailable_drives`] so that the engine reads every record
+/// from the remaining copies and nothing from a foreign or truncated one. A striped layout
+/// needs every drive, so any problem is an error, as is a replicated one with no usable drive.
+#[allow(clippy::type_complexity)]
+pub fn open_layout_degraded(
+    path: &Path,
+) -> Result<(Manifest, Vec<PathBuf>, Vec<(usize, StorageError)>)> {
     let manifest = Manifest::load(path)?;
     let here = crate::manifest::manifest_path(path);
     let here_dir = here.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -730,12 +734,12 @@ pub fn open_layout_degraded(path: &Path) -> Result<(Manifest, Vec<PathBuf>, Vec<
             if manifest.mode != Mode::Replicate || manifest.drives.len() < 2 {
                 return Err(e);
             }
-            unavailable.push(e);
+            unavailable.push((d.index, e));
         }
         dirs.push(dir);
     }
     if unavailable.len() == manifest.drives.len() {
-        return Err(unavailable.swap_remove(0));
+        return Err(unavailable.swap_remove(0).1);
     }
     Ok((manifest, dirs, unavailable))
 }

@@ -56,6 +56,7 @@ fn engine_with(
         hash_check: hash,
         backend,
         replica_retry_after: Duration::from_secs(10),
+        unavailable_drives: Vec::new(),
     };
     Engine::open(Arc::new(manifest), &dirs, cfg).unwrap()
 }
@@ -295,6 +296,7 @@ fn demand_overtakes_prefetch_and_prefetch_can_be_cancelled() {
         hash_check: HashCheck::Off,
         backend: slow,
         replica_retry_after: Duration::from_secs(10),
+        unavailable_drives: Vec::new(),
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     let experts: Vec<usize> = m
@@ -654,6 +656,10 @@ fn replicate_hash_mismatch_reads_the_other_copy() {
     check_all_records(&ckpt, &engine);
     assert!(hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
     assert!(engine.replica_recoveries() > 0);
+    // The corrupt copy was found and its drive rested; drive 1's copies all matched.
+    let stats = engine.stats();
+    assert!(stats[0].read_errors > 0, "the corrupt drive was not marked");
+    assert_eq!(stats[1].read_errors, 0);
 
     let backend = Arc::new(FaultyBackend::new(
         Arc::new(PosixBackend::default()),
@@ -682,10 +688,11 @@ fn replicate_opens_degraded_with_a_drive_missing() {
     );
     let (manifest, dirs, problems) = open_layout_degraded(&ds[0].join("m")).unwrap();
     assert_eq!(problems.len(), 1);
+    assert_eq!(problems[0].0, 1);
     assert!(
-        problems[0].to_string().contains("drive1"),
+        problems[0].1.to_string().contains("drive1"),
         "{}",
-        problems[0]
+        problems[0].1
     );
     let cfg = EngineConfig {
         threads_per_drive: 2,
@@ -694,6 +701,7 @@ fn replicate_opens_degraded_with_a_drive_missing() {
         hash_check: HashCheck::All,
         backend: Arc::new(PosixBackend::default()),
         replica_retry_after: Duration::from_secs(10),
+        unavailable_drives: problems.iter().map(|(d, _)| *d).collect(),
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     check_all_records(&ckpt, &engine);
@@ -740,6 +748,7 @@ fn a_failed_replica_is_tried_again_after_the_retry_period() {
         hash_check: HashCheck::All,
         backend,
         replica_retry_after: Duration::from_millis(300),
+        unavailable_drives: Vec::new(),
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     // Read record 0 until drive 0 has failed once (a stealing worker may serve it from drive 1).
@@ -767,4 +776,42 @@ fn a_failed_replica_is_tried_again_after_the_retry_period() {
         engine.stats()[0].reads > reads0,
         "drive 0 was not tried again"
     );
+}
+
+/// A replica holding another layout's copy (re-laid out under the same name) is rejected by the
+/// degraded open, and the engine reads nothing from it although its data file opens.
+#[test]
+fn a_foreign_replica_is_never_read() {
+    use deltafin_storage::layout::open_layout_degraded;
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, 8192), &NoProgress).unwrap();
+    // Drive 1 now holds a different layout called "m" (another model, one drive).
+    let other = synth(&tmp.path().join("other"), "qwen3_moe");
+    let mut o = opts(vec![ds[1].clone()], Mode::Stripe, 8192);
+    o.force = true;
+    write_layout(&other, &o, &NoProgress).unwrap();
+    let (manifest, dirs, problems) = open_layout_degraded(&ds[0].join("m")).unwrap();
+    assert_eq!(problems.len(), 1);
+    assert!(
+        matches!(
+            problems[0],
+            (1, StorageError::DriveMismatch { drive: 1, .. })
+        ),
+        "{}",
+        problems[0].1
+    );
+    let cfg = EngineConfig {
+        threads_per_drive: 2,
+        buffer_cap_bytes: 64 << 20,
+        queue_capacity: 1024,
+        hash_check: HashCheck::Off,
+        backend: Arc::new(PosixBackend::default()),
+        unavailable_drives: problems.iter().map(|(d, _)| *d).collect(),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+    check_all_records(&ckpt, &engine);
+    assert_eq!(engine.stats()[1].bytes_read, 0);
 }

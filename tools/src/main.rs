@@ -57,6 +57,11 @@ fn main() {
     // The command runs on a rayon worker, so that the model's many parallel kernel calls per
     // token start on a pool thread; from the main thread each call is handed to the pool and
     // waits for a wake-up (benches/results/pool_dispatch.json).
+    // Rayon's workers get 2 MiB stacks by default; the command runs on one, so give them the
+    // main thread's usual 8 MiB.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(8 << 20)
+        .build_global();
     let result = rayon::scope(|_| run(&cli.command));
     if let Err(e) = result {
         // Library errors already spell out their causes; print each link of the chain once.
