@@ -193,7 +193,7 @@ fn run(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, act: Act) -> Vec<f32
 }
 
 fn simd_isas() -> Vec<Isa> {
-    [Isa::Avx512, Isa::Avx2, Isa::Neon]
+    [Isa::Avx512, Isa::AvxVnni, Isa::Avx2, Isa::Neon]
         .into_iter()
         .filter(|i| i.available())
         .collect()

@@ -51,6 +51,9 @@ pub enum Isa {
     Scalar,
     /// x86_64 AVX2 + FMA + F16C.
     Avx2,
+    /// [`Isa::Avx2`] plus AVX-VNNI (Alder Lake and later, Zen 5): the AVX2 kernels with
+    /// `vpdpbusd` for the 16-bit-activation path.
+    AvxVnni,
     /// x86_64 AVX-512 F/BW/VL/VNNI on top of [`Isa::Avx2`].
     Avx512,
     /// aarch64 Advanced SIMD.
@@ -69,6 +72,8 @@ impl Isa {
                     && is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => Isa::Avx2.available() && is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
                 Isa::Avx2.available()
                     && is_x86_feature_detected!("avx512f")
@@ -83,8 +88,8 @@ impl Isa {
         }
     }
 
-    /// The best available instruction set; `DELTAFIN_KERNELS=scalar|avx2` caps it (the
-    /// reference, or AVX2 on an AVX-512 machine).
+    /// The best available instruction set; `DELTAFIN_KERNELS=scalar|avx2|avxvnni` caps it (the
+    /// reference, AVX2 without VNNI, or AVX-VNNI on an AVX-512 machine).
     pub fn detect() -> Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
@@ -92,9 +97,13 @@ impl Isa {
             if cap == "scalar" {
                 return Isa::Scalar;
             }
-            [Isa::Avx512, Isa::Avx2, Isa::Neon]
+            [Isa::Avx512, Isa::AvxVnni, Isa::Avx2, Isa::Neon]
                 .into_iter()
-                .filter(|&i| !(cap == "avx2" && i == Isa::Avx512))
+                .filter(|&i| match cap.as_str() {
+                    "avx2" => !matches!(i, Isa::Avx512 | Isa::AvxVnni),
+                    "avxvnni" => i != Isa::Avx512,
+                    _ => true,
+                })
                 .find(|i| i.available())
                 .unwrap_or(Isa::Scalar)
         })
@@ -103,7 +112,7 @@ impl Isa {
     /// Whether the AVX2 kernels run on this ISA (AVX-512 machines run them too).
     #[cfg(target_arch = "x86_64")]
     fn has_avx2(self) -> bool {
-        matches!(self, Isa::Avx2 | Isa::Avx512)
+        matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512)
     }
 }
 
@@ -118,15 +127,15 @@ pub enum Act {
 }
 
 /// The activation precision the model runs `kind` with: [`Act::I16`] for the integer formats
-/// on x86_64 with AVX2 or AVX-512 VNNI (within the fixtures' tolerance; AVX-512: at memory
-/// speed; AVX2: INT4 / MXFP4 twice the f32 kernels' speed, Q8 1.0-1.4x), f32 everywhere else
+/// on x86_64 with AVX2, AVX-VNNI or AVX-512 VNNI (within the fixtures' tolerance; AVX-512: at
+/// memory speed; AVX2: INT4 / MXFP4 twice the f32 kernels' speed, Q8 1.0-1.4x), f32 elsewhere
 /// (NEON has no 16-bit kernels yet). `DELTAFIN_ACTIVATIONS=f32` forces f32.
 pub fn model_act(kind: Kind) -> Act {
     static FORCE_F32: OnceLock<bool> = OnceLock::new();
     let force = *FORCE_F32.get_or_init(|| {
         std::env::var("DELTAFIN_ACTIVATIONS").is_ok_and(|v| v.eq_ignore_ascii_case("f32"))
     });
-    if !force && kind.integer() && matches!(Isa::detect(), Isa::Avx512 | Isa::Avx2) {
+    if !force && kind.integer() && matches!(Isa::detect(), Isa::Avx512 | Isa::AvxVnni | Isa::Avx2) {
         Act::I16
     } else {
         Act::F32
@@ -643,7 +652,7 @@ fn row_dot(
             if simd && isa.has_avx2() {
                 // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; the slices are
                 // as for the AVX-512 kernel above.
-                unsafe { x86::row_i16(kind, row, scales, x, cols, n, out) };
+                unsafe { x86::row_i16(isa == Isa::AvxVnni, kind, row, scales, x, cols, n, out) };
                 return;
             }
             scalar::row_i16(kind, row, scales, x, cols, n, out)
@@ -910,7 +919,7 @@ mod tests {
                 bits.to_le_bytes()
             })
             .collect();
-        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon] {
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
             if !isa.available() {
                 continue;
             }
@@ -968,7 +977,7 @@ mod tests {
                     *v = if k == 0 { 127.0 } else { k as f32 + 0.5 };
                 }
                 let want = quantize_inputs_i16(Isa::Scalar, kind, &x, cols);
-                for isa in [Isa::Avx2, Isa::Avx512, Isa::Neon] {
+                for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
                     if !isa.available() {
                         continue;
                     }

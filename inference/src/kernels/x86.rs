@@ -633,125 +633,223 @@ fn pair_sums<C: PairCodes>(a: __m256i, b: __m256i, [ha, hb, la, lb]: [__m256i; 4
     }
 }
 
-/// One row against `N` 16-bit inputs (the AVX2 form of the AVX-512 16-bit tile, for machines
-/// without VNNI): groups of 8 blocks take their 8 weight scales times each input's 8 block
-/// scales once; per pair of blocks inside a run of four, `vpmaddubsw` + `vpmaddwd` give the
-/// pair's sums (`256 * hi + lo`, exact in i32) and one permute spreads the two blocks' scale
-/// products; single blocks after the runs likewise. The offset correction is one FMA per
-/// group. Each input is summed in the same order whatever `N` is; `out[t]`.
-///
-/// # Safety
-/// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row of `cols` codes,
-/// `ws` its `cols / 32` block scales; `x` holds `N * cols` codes per plane and
-/// `N * cols / 32` scales and sums; `out` `N` values.
-#[target_feature(enable = "avx2,fma,f16c")]
-// `j` picks both the pair's blocks and its accumulator, inside the loop over inputs.
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn i16_row<C: PairCodes, const N: usize>(
-    row: &[u8],
-    ws: &[f32],
-    hi: &[i8],
-    lo: &[i8],
-    d: &[f32],
-    dsums: &[f32],
-    cols: usize,
-    out: &mut [f32],
-) {
-    let p = row.as_ptr();
-    let blocks = cols / BLOCK;
-    let ws = &ws[..blocks];
-    let (hp, lp) = (hi[..N * cols].as_ptr(), lo[..N * cols].as_ptr());
-    let (d, dsums) = (&d[..N * blocks], &dsums[..N * blocks]);
-    let quads = blocks / 4;
-    let mut acc = [[_mm256_setzero_ps(); 2]; N];
-    let mut cacc = [_mm256_setzero_ps(); N];
-    let mut wd = [_mm256_setzero_ps(); N];
-    let half_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    let mut g = 0;
-    while g < blocks {
-        let n = (blocks - g).min(8);
-        let mask = _mm256_cmpgt_epi32(
-            _mm256_set1_epi32(n as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        );
-        // SAFETY: the mask enables blocks `g..g + n` only, all inside `ws`, `d` and `dsums`
-        // (`t < N`).
-        unsafe {
-            let w = _mm256_maskload_ps(ws.as_ptr().add(g), mask);
-            for t in 0..N {
-                let o = t * blocks + g;
-                wd[t] = _mm256_mul_ps(w, _mm256_maskload_ps(d.as_ptr().add(o), mask));
-                cacc[t] =
-                    _mm256_fmadd_ps(w, _mm256_maskload_ps(dsums.as_ptr().add(o), mask), cacc[t]);
-            }
-        }
-        let mut k = 0;
-        while k < n {
-            let b = g + k;
-            if b + 4 <= quads * 4 {
-                // Two pairs of the run of four starting at `b`.
-                for j in 0..2 {
-                    let idx = _mm256_add_epi32(half_idx, _mm256_set1_epi32((k + 2 * j) as i32));
-                    // SAFETY: blocks b..b+4 form a run: the decode reads blocks b+2j, b+2j+1,
-                    // the input loads `[t*cols + 32b + 32j ..][..32]` and the same `+ 64` of
-                    // each plane, `t < N`.
-                    unsafe {
-                        let (ca, cb) = C::pair(p, b + 2 * j);
-                        for t in 0..N {
-                            let o = t * cols + b * BLOCK + 32 * j;
-                            let xs = [
-                                _mm256_loadu_si256(hp.add(o) as *const __m256i),
-                                _mm256_loadu_si256(hp.add(o + 64) as *const __m256i),
-                                _mm256_loadu_si256(lp.add(o) as *const __m256i),
-                                _mm256_loadu_si256(lp.add(o + 64) as *const __m256i),
-                            ];
-                            let s = pair_sums::<C>(ca, cb, xs);
-                            let sv = _mm256_permutevar8x32_ps(wd[t], idx);
-                            acc[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][j]);
-                        }
-                    }
-                }
-                k += 4;
-            } else {
-                let idx = _mm256_set1_epi32(k as i32);
-                // SAFETY: `b < blocks`: block b of the row, `[t*cols + 32b ..][..32]` of each
-                // plane, `t < N`.
-                unsafe {
-                    let c = C::single(p, b);
-                    for t in 0..N {
-                        let o = t * cols + b * BLOCK;
-                        let h =
-                            code_products::<C>(c, _mm256_loadu_si256(hp.add(o) as *const __m256i));
-                        let l =
-                            code_products::<C>(c, _mm256_loadu_si256(lp.add(o) as *const __m256i));
-                        let s = _mm256_add_epi32(
-                            _mm256_madd_epi16(h, _mm256_set1_epi16(256)),
-                            _mm256_madd_epi16(l, _mm256_set1_epi16(1)),
-                        );
-                        let sv = _mm256_permutevar8x32_ps(wd[t], idx);
-                        acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][0]);
-                    }
-                }
-                k += 1;
-            }
-        }
-        g += n;
+/// How a pair of 32-byte code vectors meets the 16-bit inputs: `vpmaddubsw` + `vpmaddwd`
+/// (AVX2) or `vpdpbusd` (AVX-VNNI: Alder Lake and later, Zen 5).
+trait Dot {
+    /// `sum 256 * hi + lo` products of codes `a`, `b` with the input halves `[ha, hb, la, lb]`,
+    /// per i32 lane (lanes 0..4: the first block, 4..8: the second).
+    ///
+    /// # Safety
+    /// The instruction set of the implementation available.
+    unsafe fn pair<C: PairCodes>(a: __m256i, b: __m256i, x: [__m256i; 4]) -> __m256i;
+    /// The same for one block's 32 codes `c` against its inputs `h`, `l`.
+    ///
+    /// # Safety
+    /// As for [`Dot::pair`].
+    unsafe fn single<C: PairCodes>(c: __m256i, h: __m256i, l: __m256i) -> __m256i;
+    /// The offset the products carry per code.
+    fn offset<C: PairCodes>() -> i32;
+}
+
+struct MaddDot;
+impl Dot for MaddDot {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair<C: PairCodes>(a: __m256i, b: __m256i, x: [__m256i; 4]) -> __m256i {
+        pair_sums::<C>(a, b, x)
     }
-    let off = C::OFFSET as f32;
-    for t in 0..N {
-        out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) - off * hsum(cacc[t]);
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn single<C: PairCodes>(c: __m256i, h: __m256i, l: __m256i) -> __m256i {
+        _mm256_add_epi32(
+            _mm256_madd_epi16(code_products::<C>(c, h), _mm256_set1_epi16(256)),
+            _mm256_madd_epi16(code_products::<C>(c, l), _mm256_set1_epi16(1)),
+        )
+    }
+    fn offset<C: PairCodes>() -> i32 {
+        C::OFFSET
     }
 }
+
+/// `vpdpbusd` takes unsigned codes: Q8's signed codes get the sign bit flipped (+128).
+struct VnniDot;
+impl VnniDot {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    fn unsigned<C: PairCodes>(c: __m256i) -> __m256i {
+        if C::OFFSET == 0 {
+            _mm256_xor_si256(c, _mm256_set1_epi8(-128))
+        } else {
+            c
+        }
+    }
+}
+impl Dot for VnniDot {
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn pair<C: PairCodes>(
+        a: __m256i,
+        b: __m256i,
+        [ha, hb, la, lb]: [__m256i; 4],
+    ) -> __m256i {
+        let (a, b) = (Self::unsigned::<C>(a), Self::unsigned::<C>(b));
+        let s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, ha);
+        let s = _mm256_dpbusd_avx_epi32(s, b, hb);
+        let s = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 8), a, la);
+        _mm256_dpbusd_avx_epi32(s, b, lb)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn single<C: PairCodes>(c: __m256i, h: __m256i, l: __m256i) -> __m256i {
+        let c = Self::unsigned::<C>(c);
+        let s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c, h);
+        _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 8), c, l)
+    }
+    fn offset<C: PairCodes>() -> i32 {
+        if C::OFFSET == 0 {
+            128
+        } else {
+            C::OFFSET
+        }
+    }
+}
+
+/// One 16-bit row kernel per [`Dot`], each compiled for its instruction set.
+macro_rules! i16_row_fn {
+    ($name:ident, $feat:literal, $dot:ty) => {
+        /// One row against `N` 16-bit inputs (the AVX2 form of the AVX-512 16-bit tile, for machines
+        /// without VNNI): groups of 8 blocks take their 8 weight scales times each input's 8 block
+        /// scales once; per pair of blocks inside a run of four, `vpmaddubsw` + `vpmaddwd` give the
+        /// pair's sums (`256 * hi + lo`, exact in i32) and one permute spreads the two blocks' scale
+        /// products; single blocks after the runs likewise. The offset correction is one FMA per
+        /// group. Each input is summed in the same order whatever `N` is; `out[t]`.
+        ///
+        /// # Safety
+        /// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row of `cols` codes,
+        /// `ws` its `cols / 32` block scales; `x` holds `N * cols` codes per plane and
+        /// `N * cols / 32` scales and sums; `out` `N` values.
+        ///
+        /// # Safety
+        /// The instruction set of `$feat` available; `cols` a multiple of 32; `row` a whole
+        /// row of `cols` codes, `ws` its `cols / 32` block scales; `hi`/`lo` hold `N * cols`
+        /// codes and `d`/`dsums` `N * cols / 32` values; `out` `N` values.
+        #[target_feature(enable = $feat)]
+        // `j` picks both the pair's blocks and its accumulator, inside the loop over inputs.
+        #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+        unsafe fn $name<C: PairCodes, const N: usize>(
+            row: &[u8],
+            ws: &[f32],
+            hi: &[i8],
+            lo: &[i8],
+            d: &[f32],
+            dsums: &[f32],
+            cols: usize,
+            out: &mut [f32],
+        ) {
+            let p = row.as_ptr();
+            let blocks = cols / BLOCK;
+            let ws = &ws[..blocks];
+            let (hp, lp) = (hi[..N * cols].as_ptr(), lo[..N * cols].as_ptr());
+            let (d, dsums) = (&d[..N * blocks], &dsums[..N * blocks]);
+            let quads = blocks / 4;
+            let mut acc = [[_mm256_setzero_ps(); 2]; N];
+            let mut cacc = [_mm256_setzero_ps(); N];
+            let mut wd = [_mm256_setzero_ps(); N];
+            let half_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+            let mut g = 0;
+            while g < blocks {
+                let n = (blocks - g).min(8);
+                let mask = _mm256_cmpgt_epi32(
+                    _mm256_set1_epi32(n as i32),
+                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                );
+                // SAFETY: the mask enables blocks `g..g + n` only, all inside `ws`, `d` and `dsums`
+                // (`t < N`).
+                unsafe {
+                    let w = _mm256_maskload_ps(ws.as_ptr().add(g), mask);
+                    for t in 0..N {
+                        let o = t * blocks + g;
+                        wd[t] = _mm256_mul_ps(w, _mm256_maskload_ps(d.as_ptr().add(o), mask));
+                        cacc[t] = _mm256_fmadd_ps(
+                            w,
+                            _mm256_maskload_ps(dsums.as_ptr().add(o), mask),
+                            cacc[t],
+                        );
+                    }
+                }
+                let mut k = 0;
+                while k < n {
+                    let b = g + k;
+                    if b + 4 <= quads * 4 {
+                        // Two pairs of the run of four starting at `b`.
+                        for j in 0..2 {
+                            let idx =
+                                _mm256_add_epi32(half_idx, _mm256_set1_epi32((k + 2 * j) as i32));
+                            // SAFETY: blocks b..b+4 form a run: the decode reads blocks b+2j, b+2j+1,
+                            // the input loads `[t*cols + 32b + 32j ..][..32]` and the same `+ 64` of
+                            // each plane, `t < N`.
+                            unsafe {
+                                let (ca, cb) = C::pair(p, b + 2 * j);
+                                for t in 0..N {
+                                    let o = t * cols + b * BLOCK + 32 * j;
+                                    let xs = [
+                                        _mm256_loadu_si256(hp.add(o) as *const __m256i),
+                                        _mm256_loadu_si256(hp.add(o + 64) as *const __m256i),
+                                        _mm256_loadu_si256(lp.add(o) as *const __m256i),
+                                        _mm256_loadu_si256(lp.add(o + 64) as *const __m256i),
+                                    ];
+                                    let s = <$dot>::pair::<C>(ca, cb, xs);
+                                    let sv = _mm256_permutevar8x32_ps(wd[t], idx);
+                                    acc[t][j] =
+                                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][j]);
+                                }
+                            }
+                        }
+                        k += 4;
+                    } else {
+                        let idx = _mm256_set1_epi32(k as i32);
+                        // SAFETY: `b < blocks`: block b of the row, `[t*cols + 32b ..][..32]` of each
+                        // plane, `t < N`.
+                        unsafe {
+                            let c = C::single(p, b);
+                            for t in 0..N {
+                                let o = t * cols + b * BLOCK;
+                                let s = <$dot>::single::<C>(
+                                    c,
+                                    _mm256_loadu_si256(hp.add(o) as *const __m256i),
+                                    _mm256_loadu_si256(lp.add(o) as *const __m256i),
+                                );
+                                let sv = _mm256_permutevar8x32_ps(wd[t], idx);
+                                acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][0]);
+                            }
+                        }
+                        k += 1;
+                    }
+                }
+                g += n;
+            }
+            let off = <$dot>::offset::<C>() as f32;
+            for t in 0..N {
+                out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) - off * hsum(cacc[t]);
+            }
+        }
+    };
+}
+
+i16_row_fn!(i16_row, "avx2,fma,f16c", MaddDot);
+i16_row_fn!(i16_row_vnni, "avx2,fma,f16c,avxvnni", VnniDot);
 
 /// 16-bit-activation row kernel (INT4, MXFP4, Q8) against `n` inputs; `scales` has one value
 /// per 32-block.
 ///
 /// # Safety
-/// AVX2, FMA and F16C available; `kind.simd_shape(cols)`; `row.len() == kind.row_bytes(cols)`,
-/// `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at least `n * cols` codes and
-/// `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
+/// AVX2, FMA and F16C available, and AVX-VNNI when `vnni`; `kind.simd_shape(cols)`;
+/// `row.len() == kind.row_bytes(cols)`, `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at
+/// least `n * cols` codes and `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn row_i16(
+    vnni: bool,
     kind: Kind,
     row: &[u8],
     scales: &[f32],
@@ -777,13 +875,18 @@ pub unsafe fn row_i16(
         let o = &mut out[t..t + k];
         macro_rules! go {
             ($c:ty) => {
-                // SAFETY: the caller's contract; the slices and `o` hold exactly `k` inputs.
+                // SAFETY: the caller's contract (AVX-VNNI available when `vnni`); the slices
+                // and `o` hold exactly `k` inputs.
                 unsafe {
-                    match k {
-                        4 => i16_row::<$c, 4>(row, scales, hi, lo, d, ds, cols, o),
-                        3 => i16_row::<$c, 3>(row, scales, hi, lo, d, ds, cols, o),
-                        2 => i16_row::<$c, 2>(row, scales, hi, lo, d, ds, cols, o),
-                        _ => i16_row::<$c, 1>(row, scales, hi, lo, d, ds, cols, o),
+                    match (vnni, k) {
+                        (false, 4) => i16_row::<$c, 4>(row, scales, hi, lo, d, ds, cols, o),
+                        (false, 3) => i16_row::<$c, 3>(row, scales, hi, lo, d, ds, cols, o),
+                        (false, 2) => i16_row::<$c, 2>(row, scales, hi, lo, d, ds, cols, o),
+                        (false, _) => i16_row::<$c, 1>(row, scales, hi, lo, d, ds, cols, o),
+                        (true, 4) => i16_row_vnni::<$c, 4>(row, scales, hi, lo, d, ds, cols, o),
+                        (true, 3) => i16_row_vnni::<$c, 3>(row, scales, hi, lo, d, ds, cols, o),
+                        (true, 2) => i16_row_vnni::<$c, 2>(row, scales, hi, lo, d, ds, cols, o),
+                        (true, _) => i16_row_vnni::<$c, 1>(row, scales, hi, lo, d, ds, cols, o),
                     }
                 }
             };
