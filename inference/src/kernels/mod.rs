@@ -351,6 +351,18 @@ pub fn quantize_inputs_i16(isa: Isa, kind: Kind, x: &[f32], cols: usize) -> I16I
             out.dsums[b] = dsum;
             continue;
         }
+        #[cfg(target_arch = "x86_64")]
+        if isa.has_avx2() {
+            // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; `xb` is one block and
+            // both runs of 16 slots from `base` lie inside `out.hi` / `out.lo`.
+            let quantized =
+                unsafe { x86::quantize_block_i16(xb, extra, r, base, &mut out.hi, &mut out.lo) };
+            if let Some((d, dsum)) = quantized {
+                out.d[b] = d;
+                out.dsums[b] = dsum;
+                continue;
+            }
+        }
         let _ = isa;
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let s = amax / 127.0;

@@ -926,3 +926,126 @@ pub unsafe fn f16_to_f32(bytes: &[u8], out: &mut [f32]) {
         *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
     }
 }
+
+/// One 32-block of [`super::quantize_inputs_i16`] on AVX2, when the block's slot order is one
+/// of the two the formats use (4-bit: evens then odds; Q8: natural): the same bytes as the
+/// portable loop (the same operations in the same order, rounding to nearest even,
+/// NaN-preserving clamps, NaN -> 0). Returns `None`, having written nothing, for any other
+/// order.
+///
+/// # Safety
+/// AVX2 available; `xb.len() == 32`; run A (`base..base + 16`) and run B
+/// (`base + runs.run_b ..][..16]`) inside `hi` and `lo`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_block_i16(
+    xb: &[f32],
+    extra: f32,
+    runs: &super::BlockRuns,
+    base: usize,
+    hi: &mut [i8],
+    lo: &mut [i8],
+) -> Option<(f32, f32)> {
+    let evens_odds: [u8; BLOCK] =
+        std::array::from_fn(|k| if k < 16 { 2 * k } else { 2 * (k - 16) + 1 } as u8);
+    let natural: [u8; BLOCK] = std::array::from_fn(|k| k as u8);
+    let split = if runs.src == evens_odds {
+        true
+    } else if runs.src == natural {
+        false
+    } else {
+        return None;
+    };
+    debug_assert!(xb.len() == BLOCK && base + runs.run_b + 16 <= hi.len().min(lo.len()));
+    // SAFETY: `xb` holds 32 floats.
+    let v: [__m256; 4] =
+        std::array::from_fn(|i| unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * i)) });
+    let unord = _mm256_or_ps(
+        _mm256_cmp_ps::<_CMP_UNORD_Q>(v[0], v[1]),
+        _mm256_cmp_ps::<_CMP_UNORD_Q>(v[2], v[3]),
+    );
+    // With a NaN in the block the portable `fold(0, max)` decides (it skips NaNs).
+    let amax = if _mm256_movemask_ps(unord) != 0 {
+        xb.iter().fold(0f32, |m, v| m.max(v.abs()))
+    } else {
+        let abs = |x: __m256| _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
+        let m = _mm256_max_ps(
+            _mm256_max_ps(abs(v[0]), abs(v[1])),
+            _mm256_max_ps(abs(v[2]), abs(v[3])),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        _mm_cvtss_f32(m)
+    };
+    let s = amax / 127.0;
+    let (inv, inv_lo) = super::i16_inverses(s);
+    let (vs, vinv, vinv_lo) = (
+        _mm256_set1_ps(s),
+        _mm256_set1_ps(inv),
+        _mm256_set1_ps(inv_lo),
+    );
+    let (lim_lo, lim_hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    // `max(lim, q)` returns `q` when `q` is NaN: NaN stays NaN, as in `f32::clamp`; NaN lanes
+    // then become 0, as the portable `as i8` makes them.
+    let clamp = |q: __m256| _mm256_min_ps(lim_hi, _mm256_max_ps(lim_lo, q));
+    let to_int = |q: __m256| {
+        let ok = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(q, q));
+        _mm256_and_si256(_mm256_cvtps_epi32(q), ok)
+    };
+    let mut h = [_mm256_setzero_si256(); 4];
+    let mut l = [_mm256_setzero_si256(); 4];
+    for i in 0..4 {
+        let hq = clamp(_mm256_round_ps::<RNE>(_mm256_mul_ps(v[i], vinv)));
+        let r = _mm256_sub_ps(v[i], _mm256_mul_ps(hq, vs));
+        let lq = clamp(_mm256_round_ps::<RNE>(_mm256_mul_ps(r, vinv_lo)));
+        h[i] = to_int(hq);
+        l[i] = to_int(lq);
+    }
+    let mut sum = _mm256_setzero_si256();
+    for i in 0..4 {
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(h[i], 8), l[i]));
+    }
+    let sum = _mm_add_epi32(
+        _mm256_castsi256_si128(sum),
+        _mm256_extracti128_si256::<1>(sum),
+    );
+    let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0x4e>(sum));
+    let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0xb1>(sum));
+    let sum = _mm_cvtsi128_si32(sum);
+    // 32 i32 in [-127, 127] -> 32 i8 in element order (packs interleave 128-bit lanes; one
+    // dword permute restores the order), then evens / odds per lane and qwords [0, 2, 1, 3]
+    // for the 4-bit run order.
+    let bytes = |q: [__m256i; 4]| {
+        let p = _mm256_packs_epi16(
+            _mm256_packs_epi32(q[0], q[1]),
+            _mm256_packs_epi32(q[2], q[3]),
+        );
+        let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if split {
+            let eo = _mm256_setr_epi8(
+                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1,
+                3, 5, 7, 9, 11, 13, 15,
+            );
+            _mm256_permute4x64_epi64::<0xd8>(_mm256_shuffle_epi8(p, eo))
+        } else {
+            p
+        }
+    };
+    for (q, out) in [(h, hi), (l, lo)] {
+        let b = bytes(q);
+        // SAFETY: both runs of 16 bytes are inside `out` (the caller's contract).
+        unsafe {
+            _mm_storeu_si128(
+                out.as_mut_ptr().add(base) as *mut __m128i,
+                _mm256_castsi256_si128(b),
+            );
+            _mm_storeu_si128(
+                out.as_mut_ptr().add(base + runs.run_b) as *mut __m128i,
+                _mm256_extracti128_si256::<1>(b),
+            );
+        }
+    }
+    let d = s / 256.0 * extra;
+    Some((d, d * sum as f32))
+}
