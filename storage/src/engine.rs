@@ -207,8 +207,8 @@ impl Drive {
         match self.failed_at_ms.load(Ordering::Relaxed) {
             0 => true,
             at => {
-                let now = self.epoch.elapsed().as_millis() as u64 + 1;
-                now.saturating_sub(at) >= self.retry_after.as_millis() as u64
+                let retry = u64::try_from(self.retry_after.as_millis()).unwrap_or(u64::MAX);
+                self.now_ms().saturating_sub(at) >= retry.max(1)
             }
         }
     }
@@ -216,10 +216,15 @@ impl Drive {
     /// Count a failed read and keep new pieces off this drive for `retry_after`.
     fn mark_failed(&self) {
         self.read_errors.fetch_add(1, Ordering::Relaxed);
-        self.failed_at_ms.store(
-            self.epoch.elapsed().as_millis() as u64 + 1,
-            Ordering::Relaxed,
-        );
+        self.failed_at_ms
+            .fetch_max(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Milliseconds since `epoch`, plus one (so that 0 can mean "never").
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
     }
 
     fn busy_enter(&self) {
@@ -754,10 +759,13 @@ fn read_other_replica(
     first: StorageError,
 ) -> Result<usize> {
     let mut failures = vec![first];
-    for (o, drive) in shared.drives.iter().enumerate() {
-        if o == failed || drive.unavailable {
-            continue;
-        }
+    // Healthy replicas first, then those resting after an error of their own.
+    let mut order: Vec<usize> = (0..shared.drives.len())
+        .filter(|&o| o != failed && !shared.drives[o].unavailable)
+        .collect();
+    order.sort_by_key(|&o| !shared.drives[o].healthy());
+    for o in order {
+        let drive = &shared.drives[o];
         drive.busy_enter();
         let r = read_full(drive, o, dst, offset);
         drive.busy_leave();
@@ -991,8 +999,21 @@ fn complete(shared: &Shared, req: &Arc<InFlight>) {
 fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<Loaded> {
     let replicated = shared.manifest.mode == Mode::Replicate && shared.drives.len() > 1;
     if let (true, Target::Record(_), Some(want)) = (replicated, &req.target, &req.expected_hash) {
-        // The drives that served the bad read first, so that a corrupt copy is found and
-        // marked (it gets no pieces for a while), then the others.
+        let base = buf.as_mut_ptr();
+        let piece_bytes = |p: Piece| {
+            // SAFETY: as in `worker`: the piece lies within the buffer's capacity (pieces
+            // cover the aligned payload it was sized for), and every piece is finished, so
+            // this thread holds the buffer alone; no mutable slice of it is alive here.
+            unsafe { std::slice::from_raw_parts(base.add(p.buf_offset as usize), p.len as usize) }
+        };
+        // Each piece's hash as first read, to find which drive served a bad piece once a good
+        // copy is in.
+        let first: Vec<blake3::Hash> = req
+            .pieces
+            .iter()
+            .map(|slot| blake3::hash(piece_bytes(slot.piece)))
+            .collect();
+        // The drives that served the bad read first, then the others.
         let mut order: Vec<usize> = req
             .pieces
             .iter()
@@ -1007,12 +1028,10 @@ fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<L
                 continue;
             }
             let mut ok = true;
-            let base = buf.as_mut_ptr();
             for slot in &req.pieces {
                 let p = slot.piece;
-                // SAFETY: as in `worker`: the piece lies within the buffer's capacity (pieces
-                // cover the aligned payload it was sized for), and every piece is finished, so
-                // this thread holds the buffer alone.
+                // SAFETY: as above; this is the only slice of the buffer alive while it is
+                // written.
                 let dst = unsafe {
                     std::slice::from_raw_parts_mut(base.add(p.buf_offset as usize), p.len as usize)
                 };
@@ -1031,9 +1050,15 @@ fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<L
                 continue;
             }
             if blake3::hash(&buf[..req.payload_len]).to_hex().as_str() != want {
-                // This copy of the record is corrupt: count it and rest the drive.
+                // This whole copy of the record is corrupt: count it and rest the drive.
                 drive.mark_failed();
                 continue;
+            }
+            // Rest every drive that served a piece that differs from the good copy.
+            for (slot, h) in req.pieces.iter().zip(&first) {
+                if blake3::hash(piece_bytes(slot.piece)) != *h {
+                    shared.drives[slot.served_by.load(Ordering::Relaxed)].mark_failed();
+                }
             }
             shared.replica_recoveries.fetch_add(1, Ordering::Relaxed);
             return Ok(Loaded {
@@ -1048,13 +1073,18 @@ fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<L
 }
 
 fn hash_mismatch(shared: &Shared, target: &Target, pieces: &[PieceSlot]) -> StorageError {
-    let first = pieces.first().map(|s| s.piece);
-    let (drive, offset) = first.map(|p| (p.drive, p.file_offset)).unwrap_or((0, 0));
+    let first = pieces
+        .first()
+        .map(|s| (s.served_by.load(Ordering::Relaxed), s.piece.file_offset));
+    let (drive, offset) = first.unwrap_or((0, 0));
     let (what, len) = match target {
         Target::Record(i) => {
             let r = &shared.manifest.records[*i];
             let drives: Vec<usize> = {
-                let mut v: Vec<usize> = pieces.iter().map(|s| s.piece.drive).collect();
+                let mut v: Vec<usize> = pieces
+                    .iter()
+                    .map(|s| s.served_by.load(Ordering::Relaxed))
+                    .collect();
                 v.sort_unstable();
                 v.dedup();
                 v

@@ -647,19 +647,25 @@ fn replicate_hash_mismatch_reads_the_other_copy() {
             })
             .collect()
     };
-    let backend = Arc::new(FaultyBackend::new(
-        Arc::new(PosixBackend::default()),
-        flips(&["drive0"]),
-    ));
-    let hits = backend.hits.clone();
-    let engine = engine_with(&ds, backend, HashCheck::All);
-    check_all_records(&ckpt, &engine);
-    assert!(hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
-    assert!(engine.replica_recoveries() > 0);
-    // The corrupt copy was found and its drive rested; drive 1's copies all matched.
-    let stats = engine.stats();
-    assert!(stats[0].read_errors > 0, "the corrupt drive was not marked");
-    assert_eq!(stats[1].read_errors, 0);
+    // Corrupt copies on either drive: each time the corrupt drive is found (whether its whole
+    // copy was re-read or only its piece differed from the good copy) and only it is rested.
+    for (bad, good) in [(0, 1), (1, 0)] {
+        let backend = Arc::new(FaultyBackend::new(
+            Arc::new(PosixBackend::default()),
+            flips(&[["drive0", "drive1"][bad]]),
+        ));
+        let hits = backend.hits.clone();
+        let engine = engine_with(&ds, backend, HashCheck::All);
+        check_all_records(&ckpt, &engine);
+        assert!(hits.load(std::sync::atomic::Ordering::Relaxed) > 0);
+        assert!(engine.replica_recoveries() > 0);
+        let stats = engine.stats();
+        assert!(
+            stats[bad].read_errors > 0,
+            "corrupt drive {bad} was not marked"
+        );
+        assert_eq!(stats[good].read_errors, 0, "good drive {good} was marked");
+    }
 
     let backend = Arc::new(FaultyBackend::new(
         Arc::new(PosixBackend::default()),
@@ -814,4 +820,55 @@ fn a_foreign_replica_is_never_read() {
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     check_all_records(&ckpt, &engine);
     assert_eq!(engine.stats()[1].bytes_read, 0);
+}
+
+/// A record read half from each drive, with one corrupt piece on drive 1: the good copy comes
+/// from drive 0 (which served the first piece, so it is re-read first), and drive 1 is still
+/// found and rested because its piece differs from the good copy.
+#[test]
+fn a_corrupt_piece_marks_the_drive_that_served_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = synth(&tmp.path().join("model"), "deepseek_v3");
+    let ds = drives(tmp.path(), 2);
+    let unit = 8192;
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Replicate, unit), &NoProgress).unwrap();
+    let (i, rec) = m
+        .records
+        .iter()
+        .enumerate()
+        .find(|(_, r)| r.len > 3 * unit)
+        .unwrap();
+    // Inside the record's second piece, which goes to drive 1.
+    let flip = (rec.offset / unit + 1) * unit + 100;
+    let backend = Arc::new(FaultyBackend::new(
+        Arc::new(PosixBackend::default()),
+        vec![
+            // Both workers busy on their own lane's pieces: no stealing, so the pieces
+            // alternate drive 0, drive 1, ... as assigned.
+            Fault::Latency(Duration::from_millis(50)),
+            Fault::FlipByte {
+                path_contains: "drive1".into(),
+                offset: flip,
+            },
+        ],
+    ));
+    let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
+    let cfg = EngineConfig {
+        threads_per_drive: 1,
+        buffer_cap_bytes: 64 << 20,
+        queue_capacity: 1024,
+        hash_check: HashCheck::All,
+        backend,
+        ..EngineConfig::default()
+    };
+    let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+    let loaded = engine.read_record(i, None).unwrap();
+    assert!(loaded.verified);
+    assert_eq!(engine.replica_recoveries(), 1);
+    let stats = engine.stats();
+    assert!(
+        stats[1].read_errors > 0,
+        "drive 1 served a corrupt piece but was not marked"
+    );
+    assert_eq!(stats[0].read_errors, 0);
 }

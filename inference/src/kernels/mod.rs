@@ -312,10 +312,20 @@ impl BlockRuns {
     }
 }
 
-/// Quantize `x [n, cols]` (cols a multiple of 32) to 16-bit blocks for `kind`; the AVX-512
-/// path gives the same bytes as the portable one.
+/// Quantize `x [n, cols]` (cols a multiple of 32) to 16-bit blocks for `kind`; the SIMD
+/// paths give the same bytes as the portable one. `isa` falls back to the portable loop when
+/// this machine lacks it.
+///
+/// # Panics
+/// When `cols` is not a positive multiple of 32 or `x` not a whole number of rows.
 pub fn quantize_inputs_i16(isa: Isa, kind: Kind, x: &[f32], cols: usize) -> I16Inputs {
-    debug_assert_eq!(cols % BLOCK, 0);
+    // The SIMD block writers below rely on both (whole rows of whole blocks, real features).
+    assert!(
+        cols > 0 && cols.is_multiple_of(BLOCK) && x.len().is_multiple_of(cols),
+        "quantize_inputs_i16: {} values are not rows of {cols} (a multiple of {BLOCK})",
+        x.len()
+    );
+    let isa = if isa.available() { isa } else { Isa::Scalar };
     let blocks = x.len() / BLOCK;
     let mut out = I16Inputs {
         hi: vec![0; x.len()],
@@ -616,10 +626,10 @@ fn row_dot(
                 }
                 #[cfg(target_arch = "x86_64")]
                 if isa.has_avx2() {
-                    // SAFETY: `Isa::Avx2`/`Avx512` are only selected when `available()` saw
-                    // AVX2, FMA and F16C; `simd_shape` holds and the slices have the lengths
-                    // `x86::row_f32` documents (row = row_bytes(cols), scales = cols/group,
-                    // x = n*cols, out = n), all checked by `matmul`.
+                    // SAFETY: `Isa::Avx2`/`AvxVnni`/`Avx512` are only selected when
+                    // `available()` saw AVX2, FMA and F16C; `simd_shape` holds and the slices
+                    // have the lengths `x86::row_f32` documents (row = row_bytes(cols), scales
+                    // = cols/group, x = n*cols, out = n), all checked by `matmul`.
                     unsafe { x86::row_f32(kind, row, scales, x, cols, n, out) };
                     return;
                 }

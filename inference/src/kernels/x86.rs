@@ -717,17 +717,12 @@ impl Dot for VnniDot {
 /// One 16-bit row kernel per [`Dot`], each compiled for its instruction set.
 macro_rules! i16_row_fn {
     ($name:ident, $feat:literal, $dot:ty) => {
-        /// One row against `N` 16-bit inputs (the AVX2 form of the AVX-512 16-bit tile, for machines
-        /// without VNNI): groups of 8 blocks take their 8 weight scales times each input's 8 block
-        /// scales once; per pair of blocks inside a run of four, `vpmaddubsw` + `vpmaddwd` give the
-        /// pair's sums (`256 * hi + lo`, exact in i32) and one permute spreads the two blocks' scale
-        /// products; single blocks after the runs likewise. The offset correction is one FMA per
-        /// group. Each input is summed in the same order whatever `N` is; `out[t]`.
-        ///
-        /// # Safety
-        /// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row of `cols` codes,
-        /// `ws` its `cols / 32` block scales; `x` holds `N * cols` codes per plane and
-        /// `N * cols / 32` scales and sums; `out` `N` values.
+        /// One row against `N` 16-bit inputs (the AVX2 / AVX-VNNI form of the AVX-512 16-bit
+        /// tile): groups of 8 blocks take their 8 weight scales times each input's 8 block
+        /// scales once; per pair of blocks inside a run of four, the [`Dot`] gives the pair's
+        /// sums (`256 * hi + lo`, exact in i32) and one permute spreads the two blocks' scale
+        /// products; single blocks after the runs likewise. The offset correction is one FMA
+        /// per group. Each input is summed in the same order whatever `N` is; `out[t]`.
         ///
         /// # Safety
         /// The instruction set of `$feat` available; `cols` a multiple of 32; `row` a whole
