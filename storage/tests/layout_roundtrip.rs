@@ -43,22 +43,29 @@ fn opts(drives: Vec<PathBuf>, mode: Mode, unit: u64) -> LayoutOptions {
     }
 }
 
+/// An engine config for tests: `threads` per drive, 64 MiB of buffers, `hash`, `backend`.
+fn config(
+    threads: usize,
+    hash: HashCheck,
+    backend: Arc<dyn deltafin_storage::backend::IoBackend>,
+) -> EngineConfig {
+    EngineConfig {
+        threads_per_drive: threads,
+        buffer_cap_bytes: 64 << 20,
+        queue_capacity: 1024,
+        hash_check: hash,
+        backend,
+        ..EngineConfig::default()
+    }
+}
+
 fn engine_with(
     dirs: &[PathBuf],
     backend: Arc<dyn deltafin_storage::backend::IoBackend>,
     hash: HashCheck,
 ) -> Engine {
     let (manifest, dirs) = open_layout(&dirs[0].join("m")).unwrap();
-    let cfg = EngineConfig {
-        threads_per_drive: 3,
-        buffer_cap_bytes: 64 << 20,
-        queue_capacity: 1024,
-        hash_check: hash,
-        backend,
-        replica_retry_after: Duration::from_secs(10),
-        unavailable_drives: Vec::new(),
-    };
-    Engine::open(Arc::new(manifest), &dirs, cfg).unwrap()
+    Engine::open(Arc::new(manifest), &dirs, config(3, hash, backend)).unwrap()
 }
 
 /// Every expert part and resident tensor read through the engine equals the checkpoint bytes.
@@ -289,15 +296,7 @@ fn demand_overtakes_prefetch_and_prefetch_can_be_cancelled() {
         vec![Fault::Latency(Duration::from_millis(20))],
     ));
     let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
-    let cfg = EngineConfig {
-        threads_per_drive: 1,
-        buffer_cap_bytes: 64 << 20,
-        queue_capacity: 1024,
-        hash_check: HashCheck::Off,
-        backend: slow,
-        replica_retry_after: Duration::from_secs(10),
-        unavailable_drives: Vec::new(),
-    };
+    let cfg = config(1, HashCheck::Off, slow);
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     let experts: Vec<usize> = m
         .records
@@ -485,12 +484,8 @@ fn replicate_reads_go_to_the_least_loaded_drive() {
         ));
         let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
         let cfg = EngineConfig {
-            threads_per_drive: 2,
-            buffer_cap_bytes: 64 << 20,
             queue_capacity: 4096,
-            hash_check: HashCheck::All,
-            backend,
-            ..EngineConfig::default()
+            ..config(2, HashCheck::All, backend)
         };
         let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
         let (rx, _t) = engine.fetch(&experts, Lane::Demand).unwrap();
@@ -701,13 +696,8 @@ fn replicate_opens_degraded_with_a_drive_missing() {
         problems[0].1
     );
     let cfg = EngineConfig {
-        threads_per_drive: 2,
-        buffer_cap_bytes: 64 << 20,
-        queue_capacity: 1024,
-        hash_check: HashCheck::All,
-        backend: Arc::new(PosixBackend::default()),
-        replica_retry_after: Duration::from_secs(10),
         unavailable_drives: problems.iter().map(|(d, _)| *d).collect(),
+        ..config(2, HashCheck::All, Arc::new(PosixBackend::default()))
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     check_all_records(&ckpt, &engine);
@@ -748,13 +738,8 @@ fn a_failed_replica_is_tried_again_after_the_retry_period() {
     ));
     let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
     let cfg = EngineConfig {
-        threads_per_drive: 1,
-        buffer_cap_bytes: 64 << 20,
-        queue_capacity: 1024,
-        hash_check: HashCheck::All,
-        backend,
         replica_retry_after: Duration::from_millis(300),
-        unavailable_drives: Vec::new(),
+        ..config(1, HashCheck::All, backend)
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     // Read record 0 until drive 0 has failed once (a stealing worker may serve it from drive 1).
@@ -809,13 +794,8 @@ fn a_foreign_replica_is_never_read() {
         problems[0].1
     );
     let cfg = EngineConfig {
-        threads_per_drive: 2,
-        buffer_cap_bytes: 64 << 20,
-        queue_capacity: 1024,
-        hash_check: HashCheck::Off,
-        backend: Arc::new(PosixBackend::default()),
         unavailable_drives: problems.iter().map(|(d, _)| *d).collect(),
-        ..EngineConfig::default()
+        ..config(2, HashCheck::Off, Arc::new(PosixBackend::default()))
     };
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     check_all_records(&ckpt, &engine);
@@ -853,14 +833,7 @@ fn a_corrupt_piece_marks_the_drive_that_served_it() {
         ],
     ));
     let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
-    let cfg = EngineConfig {
-        threads_per_drive: 1,
-        buffer_cap_bytes: 64 << 20,
-        queue_capacity: 1024,
-        hash_check: HashCheck::All,
-        backend,
-        ..EngineConfig::default()
-    };
+    let cfg = config(1, HashCheck::All, backend);
     let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
     let loaded = engine.read_record(i, None).unwrap();
     assert!(loaded.verified);
