@@ -196,7 +196,7 @@ impl Router for SoftmaxTopKRouter {
 }
 
 /// A routed gated expert computed from an [`ExpertView`] (separate or fused parts, any packed
-/// format [`crate::linear::resolve_matrix`] understands).
+/// format `linear::resolve_matrix` understands).
 #[derive(Debug, Clone)]
 pub struct ExpertShape {
     pub hidden: usize,

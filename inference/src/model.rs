@@ -90,7 +90,7 @@ impl Logits {
 /// Optional per-forward diagnostics.
 #[derive(Debug, Clone, Default)]
 pub struct ForwardTrace {
-    /// `[layers + 1]` of `[n, hidden]`: [0] = embeddings, [i] = residual after layer i-1.
+    /// `[layers + 1]` of `[n, hidden]`: `[0]` = embeddings, `[i]` = residual after layer i-1.
     pub hidden_states: Vec<Vec<f32>>,
     /// `(layer, routing of each input position)` for every MoE layer.
     pub routing: Vec<(usize, Vec<Routing>)>,

@@ -1,7 +1,7 @@
 //! `deltafin-plot`: draw benches/results/gen_scaling.json as an SVG of tokens/s against drive
 //! count, one line per mode, with the ceiling fio's bandwidth allows at the measured bytes/token.
 //!
-//!   deltafin-plot benches/results/gen_scaling.json benches/results/gen_scaling.svg [PROMPT]
+//!   deltafin-plot benches/results/gen_scaling.json benches/results/gen_scaling.svg `[PROMPT]`
 
 use anyhow::{bail, Context};
 use plotters::prelude::*;
