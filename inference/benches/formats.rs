@@ -21,10 +21,11 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 mod common;
-use common::{make, pool, pseudo, quick, stream_read, threads_all};
+use common::{
+    bench_formats, bench_shapes, make, pool, pseudo, quick, read_pass, ring, ring_matrices,
+    threads_all,
+};
 use deltafin_inference::kernels::{self, Act, Isa};
-use deltafin_inference::linear::WeightMatrix;
-use rayon::prelude::*;
 
 fn membw(c: &mut Criterion) {
     let bytes: usize = if quick() { 256 << 20 } else { 1 << 30 };
@@ -37,14 +38,7 @@ fn membw(c: &mut Criterion) {
     for threads in [1, threads_all()] {
         let p = pool(threads);
         g.bench_function(BenchmarkId::new("read", format!("{threads}t")), |b| {
-            b.iter(|| {
-                p.install(|| {
-                    let per = buf.len().div_ceil(threads);
-                    buf.par_chunks(per)
-                        .map(stream_read)
-                        .reduce(|| 0, |a, b| a ^ b)
-                })
-            })
+            b.iter(|| read_pass(&p, &buf, threads))
         });
     }
     g.finish();
@@ -52,16 +46,8 @@ fn membw(c: &mut Criterion) {
 
 fn formats(c: &mut Criterion) {
     // DELTAFIN_BENCH_SHAPES=256x7168,... overrides the expert shapes.
-    let shapes: Vec<(usize, usize)> = match std::env::var("DELTAFIN_BENCH_SHAPES") {
-        Ok(v) => v
-            .split(',')
-            .map(|s| {
-                let (r, c) = s.split_once('x').expect("DELTAFIN_BENCH_SHAPES: RxC,...");
-                (r.parse().expect("rows"), c.parse().expect("cols"))
-            })
-            .collect(),
-        Err(_) => vec![(2048, 7168), (7168, 2048)],
-    };
+    // DELTAFIN_BENCH_SHAPES=256x7168,... overrides the expert shapes.
+    let shapes = bench_shapes();
     // DELTAFIN_BENCH_RING_KIB=512 keeps the weights in cache: the kernels' compute ceiling.
     let ring_bytes: usize = match std::env::var("DELTAFIN_BENCH_RING_KIB") {
         Ok(k) => k.parse::<usize>().expect("DELTAFIN_BENCH_RING_KIB: KiB") << 10,
@@ -71,27 +57,12 @@ fn formats(c: &mut Criterion) {
     let isa = Isa::detect();
     eprintln!("kernels: {isa:?}, {} threads", threads_all());
     for &(rows, cols) in &shapes {
-        for name in ["bf16", "fp8", "q8", "int4", "mxfp4"] {
-            // DELTAFIN_BENCH_FORMATS=int4,mxfp4 skips building the other rings.
-            if std::env::var("DELTAFIN_BENCH_FORMATS")
-                .is_ok_and(|f| !f.split(',').any(|f| f == name))
-            {
-                continue;
-            }
+        // DELTAFIN_BENCH_FORMATS=int4,mxfp4 skips building the other rings.
+        for name in bench_formats() {
             let one = make(name, rows, cols);
             let bytes = one.data.len() + one.scale.len();
-            let copies = ring_bytes.div_ceil(bytes).max(2);
-            // Distinct buffers (same contents) so that the ring really is `copies * bytes`.
-            let ring: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
-                .map(|_| (one.data.clone(), one.scale.clone()))
-                .collect();
-            let mats: Vec<WeightMatrix<'_>> = ring
-                .iter()
-                .map(|(d, s)| {
-                    WeightMatrix::new(rows, cols, one.format, d, s, one.scale_type)
-                        .expect("bench matrix")
-                })
-                .collect();
+            let ring = ring(&one, ring_bytes);
+            let mats = ring_matrices(&one, &ring, rows, cols);
             let x: Vec<f32> = (0..cols * 8).map(|i| pseudo(i + 7) * 20.0).collect();
             let mut out = vec![0f32; rows * 8];
             let acts: &[Act] = if matches!(name, "q8" | "int4" | "mxfp4") {

@@ -17,9 +17,11 @@
 use std::time::Instant;
 
 mod common;
-use common::{make, membw_pass, pool, pseudo, quick, threads_all};
+use common::{
+    bench_formats, bench_shapes, make, membw_pass, pool, pseudo, quick, ring, ring_matrices,
+    threads_all,
+};
 use deltafin_inference::kernels::{self, Isa, Kind};
-use deltafin_inference::linear::WeightMatrix;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -31,12 +33,6 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-fn env_list(name: &str) -> Option<Vec<String>> {
-    std::env::var(name)
-        .ok()
-        .map(|v| v.split(',').map(str::to_owned).collect())
-}
-
 fn main() {
     let repeats: usize = std::env::var("DELTAFIN_BENCH_REPEATS")
         .ok()
@@ -44,21 +40,6 @@ fn main() {
         .unwrap_or(if quick() { 3 } else { 9 });
     let ring_bytes: usize = if quick() { 96 << 20 } else { 384 << 20 };
     let read_bytes: usize = if quick() { 128 << 20 } else { 512 << 20 };
-    let formats = env_list("DELTAFIN_BENCH_FORMATS").unwrap_or_else(|| {
-        ["bf16", "fp8", "q8", "int4", "mxfp4"]
-            .map(str::to_owned)
-            .to_vec()
-    });
-    let shapes: Vec<(usize, usize)> = env_list("DELTAFIN_BENCH_SHAPES")
-        .map(|v| {
-            v.iter()
-                .map(|s| {
-                    let (r, c) = s.split_once('x').expect("DELTAFIN_BENCH_SHAPES: RxC,...");
-                    (r.parse().expect("rows"), c.parse().expect("cols"))
-                })
-                .collect()
-        })
-        .unwrap_or_else(|| vec![(2048, 7168), (7168, 2048)]);
     let isa = Isa::detect();
     let buf: Vec<u64> = (0..read_bytes / 8).map(|i| i as u64).collect();
     let thread_counts = if threads_all() > 1 {
@@ -68,29 +49,14 @@ fn main() {
     };
     let pools: Vec<_> = thread_counts.iter().map(|&t| (t, pool(t))).collect();
     let mut rows = Vec::new();
-    for &(r, c) in &shapes {
-        for name in &formats {
-            let name: &'static str = match name.as_str() {
-                "bf16" => "bf16",
-                "fp8" => "fp8",
-                "q8" => "q8",
-                "int4" => "int4",
-                "mxfp4" => "mxfp4",
-                other => panic!("unknown format {other}"),
-            };
+    for (r, c) in bench_shapes() {
+        for name in bench_formats() {
             let one = make(name, r, c);
             let name = one.name;
             let bytes = one.data.len() + one.scale.len();
-            let copies = ring_bytes.div_ceil(bytes).max(2);
-            let ring: Vec<(Vec<u8>, Vec<u8>)> = (0..copies)
-                .map(|_| (one.data.clone(), one.scale.clone()))
-                .collect();
-            let mats: Vec<WeightMatrix<'_>> = ring
-                .iter()
-                .map(|(d, s)| {
-                    WeightMatrix::new(r, c, one.format, d, s, one.scale_type).expect("matrix")
-                })
-                .collect();
+            let ring = ring(&one, ring_bytes);
+            let copies = ring.len();
+            let mats = ring_matrices(&one, &ring, r, c);
             let act = kernels::model_act(Kind::of(one.format));
             let x: Vec<f32> = (0..c).map(|i| pseudo(i + 7) * 20.0).collect();
             let mut out = vec![0f32; r];

@@ -2,7 +2,7 @@
 //! streaming read that measures memory bandwidth.
 
 use deltafin_inference::kernels::quant;
-use deltafin_inference::linear::{ScaleType, WeightFormat};
+use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
 use rayon::prelude::*;
 
 pub fn quick() -> bool {
@@ -131,16 +131,70 @@ fn prefetch(p: *const u64) {
     let _ = p;
 }
 
-/// Memory-read bandwidth (GiB/s) of one parallel streaming pass over `buf` on `pool`.
-#[allow(dead_code)] // used by membw_ratio only
-pub fn membw_pass(pool: &rayon::ThreadPool, buf: &[u64], threads: usize) -> f64 {
-    let t = std::time::Instant::now();
-    let x = pool.install(|| {
+/// One parallel streaming read of `buf` on `pool`, one chunk per thread.
+pub fn read_pass(pool: &rayon::ThreadPool, buf: &[u64], threads: usize) -> u64 {
+    pool.install(|| {
         let per = buf.len().div_ceil(threads);
         buf.par_chunks(per)
             .map(stream_read)
             .reduce(|| 0, |a, b| a ^ b)
-    });
-    std::hint::black_box(x);
+    })
+}
+
+/// Memory-read bandwidth (GiB/s) of one [`read_pass`].
+#[allow(dead_code)] // used by membw_ratio only
+pub fn membw_pass(pool: &rayon::ThreadPool, buf: &[u64], threads: usize) -> f64 {
+    let t = std::time::Instant::now();
+    std::hint::black_box(read_pass(pool, buf, threads));
     (buf.len() * 8) as f64 / t.elapsed().as_secs_f64() / (1u64 << 30) as f64
+}
+
+/// Expert shapes to bench: `DELTAFIN_BENCH_SHAPES=256x7168,...`, else DeepSeek-V3's
+/// gate/up (2048x7168) and down (7168x2048).
+pub fn bench_shapes() -> Vec<(usize, usize)> {
+    match std::env::var("DELTAFIN_BENCH_SHAPES") {
+        Ok(v) => v
+            .split(',')
+            .map(|s| {
+                let (r, c) = s.split_once('x').expect("DELTAFIN_BENCH_SHAPES: RxC,...");
+                (r.parse().expect("rows"), c.parse().expect("cols"))
+            })
+            .collect(),
+        Err(_) => vec![(2048, 7168), (7168, 2048)],
+    }
+}
+
+/// Formats to bench, in this order: all, or those `DELTAFIN_BENCH_FORMATS=int4,mxfp4` names.
+pub fn bench_formats() -> Vec<&'static str> {
+    let only = std::env::var("DELTAFIN_BENCH_FORMATS").ok();
+    ["bf16", "fp8", "q8", "int4", "mxfp4"]
+        .into_iter()
+        .filter(|name| {
+            only.as_ref()
+                .is_none_or(|f| f.split(',').any(|f| f == *name))
+        })
+        .collect()
+}
+
+/// Distinct copies (same contents) of a packed matrix's bytes totalling at least `ring_bytes`
+/// (at least two), so that a pass over them streams from DRAM: `(data, scale)` each.
+pub fn ring(one: &Packed, ring_bytes: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let bytes = one.data.len() + one.scale.len();
+    (0..ring_bytes.div_ceil(bytes).max(2))
+        .map(|_| (one.data.clone(), one.scale.clone()))
+        .collect()
+}
+
+/// The ring's copies as `rows x cols` matrices of `one`'s format.
+pub fn ring_matrices<'r>(
+    one: &Packed,
+    ring: &'r [(Vec<u8>, Vec<u8>)],
+    rows: usize,
+    cols: usize,
+) -> Vec<WeightMatrix<'r>> {
+    ring.iter()
+        .map(|(d, s)| {
+            WeightMatrix::new(rows, cols, one.format, d, s, one.scale_type).expect("bench matrix")
+        })
+        .collect()
 }

@@ -374,8 +374,7 @@ pub fn quantize_inputs_i16(isa: Isa, kind: Kind, x: &[f32], cols: usize) -> I16I
             }
         }
         let _ = isa;
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = amax / 127.0;
+        let s = block_amax(xb) / 127.0;
         let (inv, inv_lo) = i16_inverses(s);
         let mut h = [0f32; BLOCK];
         let mut l = [0f32; BLOCK];
@@ -393,10 +392,24 @@ pub fn quantize_inputs_i16(isa: Isa, kind: Kind, x: &[f32], cols: usize) -> I16I
             out.lo[slot] = lq;
             sum += 256 * hq as i32 + lq as i32;
         }
-        out.d[b] = s / 256.0 * extra;
-        out.dsums[b] = out.d[b] * sum as f32;
+        (out.d[b], out.dsums[b]) = i16_block_scales(s, extra, sum);
     }
     out
+}
+
+/// Largest `|v|` of a block, NaNs skipped (`max` ignores them): every quantizer's block
+/// maximum; the SIMD ones fall back to it for a block holding a NaN.
+#[inline]
+pub(crate) fn block_amax(xb: &[f32]) -> f32 {
+    xb.iter().fold(0f32, |m, v| m.max(v.abs()))
+}
+
+/// A 16-bit block's `(d, dsum)` from its high step `s = amax / 127` and the integer sum of
+/// `256 * hi + lo`: the same arithmetic on every path, so that they agree bit for bit.
+#[inline]
+pub(crate) fn i16_block_scales(s: f32, extra: f32, sum: i32) -> (f32, f32) {
+    let d = s / 256.0 * extra;
+    (d, d * sum as f32)
 }
 
 /// `(1 / s, 256 / s)`, or zeros for an all-zero block.
@@ -426,8 +439,7 @@ pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
         .zip(q.chunks_exact_mut(BLOCK))
         .zip(d.iter_mut())
     {
-        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = amax / 127.0;
+        let s = block_amax(xb) / 127.0;
         let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
         *db = s * extra;
         for (i, &v) in xb.iter().enumerate() {
@@ -443,26 +455,19 @@ pub fn quantize_inputs(kind: Kind, x: &[f32], cols: usize) -> Inputs<'static> {
 fn scales_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>) {
     // A task's scales are one short pass, too short for the hardware prefetcher to ramp up
     // (the loads stalled on DRAM: 8 GB/s for E8M0): convert them in chunks, each after asking
-    // for the chunk two ahead. The task before asked for the first two (`matmul_with`).
-    let unit = match st {
-        ScaleType::None | ScaleType::E8m0 => 1,
-        ScaleType::F16 | ScaleType::Bf16 => 2,
-        ScaleType::F32 => 4,
-    };
-    let mut chunks = bytes.chunks(SCALE_CHUNK).peekable();
-    let mut k = 0;
-    while let Some(chunk) = chunks.next() {
+    // for the chunk two ahead. `matmul_many_with`'s tasks also ask for the next task's.
+    for (k, chunk) in bytes.chunks(SCALE_CHUNK).enumerate() {
         if let Some(ahead) = bytes.get((k + 2) * SCALE_CHUNK..) {
             prefetch_l2(&ahead[..ahead.len().min(SCALE_CHUNK)]);
         }
-        debug_assert!(chunks.peek().is_none() || chunk.len() % unit == 0);
         scales_chunk_to_f32(isa, st, chunk, out);
-        k += 1;
     }
 }
 
-/// Bytes per prefetch step of [`scales_to_f32`] (a multiple of every scale size).
+/// Bytes per prefetch step of [`scales_to_f32`]: a multiple of every scale size, so that no
+/// scale straddles two chunks.
 const SCALE_CHUNK: usize = 1024;
+const _: () = assert!(SCALE_CHUNK.is_multiple_of(4));
 
 fn scales_chunk_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>) {
     let start = out.len();

@@ -960,7 +960,7 @@ pub unsafe fn quantize_block_i16(
     );
     // With a NaN in the block the portable `fold(0, max)` decides (it skips NaNs).
     let amax = if _mm256_movemask_ps(unord) != 0 {
-        xb.iter().fold(0f32, |m, v| m.max(v.abs()))
+        super::block_amax(xb)
     } else {
         let abs = |x: __m256| _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
         let m = _mm256_max_ps(
@@ -1041,6 +1041,5 @@ pub unsafe fn quantize_block_i16(
             );
         }
     }
-    let d = s / 256.0 * extra;
-    Some((d, d * sum as f32))
+    Some(super::i16_block_scales(s, extra, sum))
 }

@@ -1036,7 +1036,7 @@ pub unsafe fn quantize_block_i16(
     // With a NaN in the block the portable `fold(0, max)` (which skips NaNs) decides: a
     // vector max would keep or drop a NaN depending on its lane.
     let amax = if _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v0, v1) != 0 {
-        xb.iter().fold(0f32, |m, v| m.max(v.abs()))
+        super::block_amax(xb)
     } else {
         _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)))
     };
@@ -1083,6 +1083,5 @@ pub unsafe fn quantize_block_i16(
             _mm_storeu_si128(out.as_mut_ptr().add(base + runs.run_b) as *mut __m128i, b);
         }
     }
-    let d = s / 256.0 * extra;
-    (d, d * sum as f32)
+    super::i16_block_scales(s, extra, sum)
 }
