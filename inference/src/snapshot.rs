@@ -186,14 +186,7 @@ pub fn write_snapshot<W: Write>(
             put(&(arrays.len() as u32).to_le_bytes())?;
             for a in &arrays {
                 put(&(a.len() as u64).to_le_bytes())?;
-                let mut buf = Vec::with_capacity(a.len().min(1 << 16) * 4);
-                for chunk in a.chunks(1 << 16) {
-                    buf.clear();
-                    for x in chunk {
-                        buf.extend_from_slice(&x.to_le_bytes());
-                    }
-                    put(&buf)?;
-                }
+                put_f32s(&mut put, a)?;
             }
             Ok(())
         })()
@@ -209,15 +202,7 @@ pub fn write_snapshot<W: Write>(
         put(&[on])?;
         put(&(start as u64).to_le_bytes())?;
         put(&(data.len() as u64).to_le_bytes())?;
-        let mut buf = Vec::with_capacity(data.len().min(1 << 16) * 4);
-        for chunk in data.chunks(1 << 16) {
-            buf.clear();
-            for x in chunk {
-                buf.extend_from_slice(&x.to_le_bytes());
-            }
-            put(&buf)?;
-        }
-        Ok(())
+        put_f32s(&mut put, data)
     })()
     .map_err(io)?;
     let sum = *hw.hasher.finalize().as_bytes();
@@ -505,4 +490,20 @@ pub fn reuse_prefix(
     }
     session.truncate(keep)?;
     Ok(keep)
+}
+
+/// `data` as little-endian f32 bytes through `put`, 64 Ki values at a time.
+fn put_f32s(
+    put: &mut impl FnMut(&[u8]) -> std::io::Result<()>,
+    data: &[f32],
+) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(data.len().min(1 << 16) * 4);
+    for chunk in data.chunks(1 << 16) {
+        buf.clear();
+        for x in chunk {
+            buf.extend_from_slice(&x.to_le_bytes());
+        }
+        put(&buf)?;
+    }
+    Ok(())
 }
