@@ -9,7 +9,7 @@
 //!   matrices (experts) totalling >= 384 MiB of weights, so every iteration streams its weights
 //!   from DRAM, not from the 32 MiB L3. Throughput = weight + scale bytes consumed per second.
 //! - `matmul8/...`: the same with 8 inputs per pass (prefill / speculative verification).
-//! - `<act>`: `F32`, `I8` or `I16` activations (`kernels::model_act` says which the model runs:
+//! - `<act>`: `F32`, `I8` or `I16` activations (`KernelConfig::act` says which the model runs:
 //!   `I16` for INT4/MXFP4/Q8 on AVX-512 VNNI machines, `F32` otherwise).
 //!   `DELTAFIN_KERNELS=avx2` benches the AVX2 kernels on an AVX-512 machine.
 //!

@@ -68,7 +68,7 @@ fn main() {
     let m = WeightMatrix::new(
         rows,
         cols,
-        WeightFormat::Int4Group { group: 32 },
+        WeightFormat::Int4 { group: 32 },
         &int4,
         &s,
         ScaleType::Bf16,

@@ -8,7 +8,7 @@
 //! streams its weights from DRAM), and the streaming read again; the repeat's ratio is the
 //! kernel's GiB/s over the mean of the two reads. The report gives the median ratio over the
 //! repeats, with the lowest and highest, per format, shape and thread count, on the
-//! activations the model uses for that format (`kernels::model_act`).
+//! activations the model uses for that format (`KernelConfig::act`).
 //!
 //! Output: one JSON object on stdout. `DELTAFIN_BENCH_REPEATS` (default 9),
 //! `DELTAFIN_BENCH_FORMATS=int4,mxfp4`, `DELTAFIN_BENCH_SHAPES=2048x7168,...`,
@@ -21,7 +21,7 @@ use common::{
     bench_formats, bench_shapes, make, membw_pass, pool, pseudo, quick, ring, ring_matrices,
     threads_all,
 };
-use deltafin_inference::kernels::{self, Isa, Kind};
+use deltafin_inference::kernels::{self, Isa, KernelConfig};
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -57,7 +57,7 @@ fn main() {
             let ring = ring(&one, ring_bytes);
             let copies = ring.len();
             let mats = ring_matrices(&one, &ring, r, c);
-            let act = kernels::model_act(Kind::of(one.format));
+            let act = KernelConfig::best().act(one.format);
             let x: Vec<f32> = (0..c).map(|i| pseudo(i + 7) * 20.0).collect();
             let mut out = vec![0f32; r];
             for (threads, p) in &pools {

@@ -715,6 +715,29 @@ impl ModelConfig {
         }
     }
 
+    pub fn num_attention_heads(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.num_attention_heads,
+            ModelConfig::Qwen3Moe(c) => c.num_attention_heads,
+        }
+    }
+
+    /// Routed experts each position uses (0 without MoE layers).
+    pub fn experts_per_token(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.num_experts_per_tok,
+            ModelConfig::Qwen3Moe(c) => c.num_experts_per_tok,
+        }
+    }
+
+    /// The widest MLP intermediate (dense or expert).
+    pub fn widest_intermediate(&self) -> usize {
+        match self {
+            ModelConfig::DeepseekV3(c) => c.intermediate_size.max(c.moe_intermediate_size),
+            ModelConfig::Qwen3Moe(c) => c.intermediate_size.max(c.moe_intermediate_size),
+        }
+    }
+
     pub fn quantization_config(&self) -> Option<&Value> {
         match self {
             ModelConfig::DeepseekV3(c) => c.quantization_config.as_ref(),

@@ -16,7 +16,7 @@
 //! // Logits for every position of a prompt: Logits { rows, vocab, data }.
 //! let mut session = model.new_session();
 //! let logits = model.forward(&mut session, &[1, 2, 3])?;
-//! let _last_row: &[f32] = logits.row(logits.rows - 1);
+//! let _last_row: Option<&[f32]> = logits.last();
 //!
 //! // Cached decoding: one position per call; roll back with truncate (no copy).
 //! let next = model.forward_last(&mut session, &[4])?; // [vocab]
@@ -69,7 +69,9 @@
 
 pub mod arch;
 pub mod config;
+pub mod digest;
 pub mod error;
+pub mod family;
 pub mod ffn;
 pub mod generate;
 pub mod kernels;
@@ -79,18 +81,21 @@ mod loader;
 pub mod mixer;
 pub mod model;
 pub mod ops;
+pub mod quantize;
 pub mod rope;
+pub mod run;
 pub mod sampler;
 pub mod snapshot;
 pub mod speculative;
+pub mod synth;
 pub mod weights;
 
 pub use config::{DeepseekV3Config, HiddenAct, ModelConfig, Qwen3MoeConfig, RopeParameters};
+pub use deltafin_storage::store::{CachePolicy, FetchStats, LoadProgress, StoreStats};
 pub use error::{ConfigError, InferenceError, Result};
 pub use generate::{generate, GenerateConfig, GenerateOutput, StopReason};
-pub use layout_source::{
-    CachePolicy, FetchStats, LayoutSource, LayoutSourceOptions, LayoutStats, LoadProgress,
-};
+pub use kernels::KernelConfig;
+pub use layout_source::{LayoutSource, LayoutSourceOptions};
 pub use model::{ForwardTrace, Logits, LogitsMode, Model, Session};
 pub use sampler::{Rng, Sampler, SamplerConfig};
 pub use weights::{DirSource, ExpertPartRef, ExpertView, TensorRef, WeightSource};

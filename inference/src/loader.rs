@@ -1,15 +1,25 @@
 //! Loading resident weights from a [`WeightSource`] into prepared types, with shape checks.
 
+use deltafin_storage::naming::ExpertNaming;
+
 use crate::error::{InferenceError, Result};
-use crate::linear::{resolve_matrix, tensor_to_f32, Linear, MatrixParts, QuantHints, WeightMatrix};
+use crate::kernels::isa::KernelConfig;
+use crate::linear::convert::tensor_to_f32;
+use crate::linear::matrix::WeightMatrix;
+use crate::linear::owned::Linear;
+use crate::linear::resolve::{resolve_matrix, MatrixParts, QuantHints};
 use crate::ops::RmsNorm;
-use crate::weights::{try_tensor, ExpertView, WeightSource};
+use crate::weights::{try_tensor, WeightSource};
 
 /// Resident-weight loader: a source plus the quantization hints of its config.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct Loader<'a> {
     pub src: &'a dyn WeightSource,
     pub hints: QuantHints,
+    /// The kernels every loaded matrix runs.
+    pub kernels: KernelConfig,
+    /// How the checkpoint names routed experts (errors name expert tensors through it).
+    pub naming: ExpertNaming,
 }
 
 impl<'a> Loader<'a> {
@@ -18,7 +28,7 @@ impl<'a> Loader<'a> {
         let src = self.src;
         let get = |n: &str| try_tensor(src, n);
         let full = |n: &str| n.to_string();
-        resolve_matrix(
+        Ok(resolve_matrix(
             &MatrixParts {
                 get: &get,
                 full_name: &full,
@@ -27,7 +37,8 @@ impl<'a> Loader<'a> {
             rows,
             cols,
             &self.hints,
-        )
+        )?
+        .with_kernels(self.kernels))
     }
 
     /// An owned linear layer, with `{prefix}.bias` when `bias`.
@@ -57,39 +68,4 @@ impl<'a> Loader<'a> {
     pub fn norm(&self, name: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
         RmsNorm::load(self.src, name, dim, eps)
     }
-}
-
-/// One matrix of a routed expert (`part` = `gate_proj`, `gate_up_proj`, ...).
-pub(crate) fn expert_matrix<'v>(
-    view: &ExpertView<'v>,
-    layer: usize,
-    expert: usize,
-    part: &str,
-    rows: usize,
-    cols: usize,
-    hints: &QuantHints,
-) -> Result<WeightMatrix<'v>> {
-    let get = |n: &str| Ok(view.part(n));
-    let full = |n: &str| format!("model.layers.{layer}.mlp.experts.{expert}.{n}");
-    resolve_matrix(
-        &MatrixParts {
-            get: &get,
-            full_name: &full,
-        },
-        part,
-        rows,
-        cols,
-        hints,
-    )
-    .map_err(|e| match e {
-        InferenceError::MissingTensor { name } => InferenceError::MissingExpert {
-            layer,
-            expert,
-            reason: format!(
-                "part `{name}` is missing (parts present: {:?})",
-                view.part_names()
-            ),
-        },
-        e => e,
-    })
 }

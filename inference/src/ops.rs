@@ -100,9 +100,17 @@ pub fn erf(x: f64) -> f64 {
     }
 }
 
-/// An element-wise activation (the gate of a gated MLP).
+/// The activation of a gated MLP: `gated(g, u)` combines one gate and one up value (SwiGLU:
+/// `act(g) * u`; SiTU clips both branches).
 pub trait Activation: Send + Sync + std::fmt::Debug {
+    /// The element-wise activation of the gate.
     fn apply(&self, x: f32) -> f32;
+
+    /// One hidden value of the gated MLP from its gate `g` and up `u` projections.
+    #[inline]
+    fn gated(&self, g: f32, u: f32) -> f32 {
+        self.apply(g) * u
+    }
 }
 
 impl Activation for HiddenAct {

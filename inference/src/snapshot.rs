@@ -30,7 +30,8 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::InferenceError;
-use crate::model::{Model, OutputStates, Session};
+use crate::model::forward::Model;
+use crate::model::session::{OutputStates, Session};
 
 /// First bytes of every snapshot file.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"DFSNAP\r\n";
@@ -79,37 +80,6 @@ pub fn model_hash(model: &Model, extra: &[u8]) -> [u8; 32] {
     h.update(model.weights_digest());
     h.update(&(extra.len() as u64).to_le_bytes());
     h.update(extra);
-    *h.finalize().as_bytes()
-}
-
-/// The weights part of [`model_hash`], computed when a model is loaded (while its source still
-/// holds the resident tensors).
-pub fn weights_digest(source: &dyn crate::weights::WeightSource) -> [u8; 32] {
-    const SAMPLE: usize = 64 << 10;
-    let mut h = blake3::Hasher::new();
-    h.update(b"deltafin-model-hash-v1\0");
-    let cfg = serde_json::to_string(source.config()).unwrap_or_default();
-    h.update(&(cfg.len() as u64).to_le_bytes());
-    h.update(cfg.as_bytes());
-    for name in [
-        "model.embed_tokens.weight",
-        "lm_head.weight",
-        "model.norm.weight",
-    ] {
-        h.update(name.as_bytes());
-        match source.tensor(name) {
-            Ok(t) => {
-                h.update(format!("{:?}{:?}", t.dtype, t.shape).as_bytes());
-                h.update(&(t.bytes.len() as u64).to_le_bytes());
-                let b = t.bytes;
-                h.update(&b[..b.len().min(SAMPLE)]);
-                h.update(&b[b.len().saturating_sub(SAMPLE)..]);
-            }
-            Err(_) => {
-                h.update(b"\0absent");
-            }
-        }
-    }
     *h.finalize().as_bytes()
 }
 

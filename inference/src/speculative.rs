@@ -630,8 +630,16 @@ pub fn speculative_generate(
         stats.draft_tokens += kd as u64;
         let mut accepted = 0usize;
         let mut next = None;
+        let row_of = |i: usize| {
+            logits.row(i).ok_or_else(|| {
+                InferenceError::InvalidArgument(format!(
+                    "verify pass returned {} rows; row {i} wanted",
+                    logits.rows
+                ))
+            })
+        };
         for (i, &d) in draft.tokens.iter().enumerate() {
-            let row = logits.row(i);
+            let row = row_of(i)?;
             if greedy {
                 let c = sampler.sample(row)?;
                 if c == d {
@@ -657,7 +665,7 @@ pub fn speculative_generate(
         }
         let next = match next {
             Some(t) => t,
-            None => sampler.sample(logits.row(kd))?,
+            None => sampler.sample(row_of(kd)?)?,
         };
         session.truncate(before + 1 + accepted)?;
         stats.accepted_tokens += accepted as u64;

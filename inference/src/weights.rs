@@ -7,8 +7,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use deltafin_storage::checkpoint::{Checkpoint, ExpertPart};
-use deltafin_storage::safetensors::Dtype;
+use deltafin_formats::Dtype;
+use deltafin_storage::checkpoint::Checkpoint;
+use deltafin_storage::expert_parts::{expert_sources, ExpertPart};
+use deltafin_storage::naming::ExpertNaming;
 
 use crate::error::{InferenceError, Result};
 
@@ -143,6 +145,7 @@ pub(crate) fn try_tensor<'a>(
 #[derive(Debug)]
 pub struct DirSource {
     ckpt: Checkpoint,
+    naming: ExpertNaming,
     /// (layer, expert) -> parts.
     experts: HashMap<(usize, usize), Vec<ExpertPart>>,
 }
@@ -155,12 +158,21 @@ impl DirSource {
     }
 
     pub fn from_checkpoint(ckpt: Checkpoint) -> Result<DirSource> {
-        let experts = ckpt
-            .experts()?
+        let naming = crate::family::expert_naming(&ckpt.config)?;
+        let experts = expert_sources(&ckpt, &naming)?
             .into_iter()
             .map(|e| ((e.layer as usize, e.expert as usize), e.parts))
             .collect();
-        Ok(DirSource { ckpt, experts })
+        Ok(DirSource {
+            ckpt,
+            naming,
+            experts,
+        })
+    }
+
+    /// How this checkpoint names its routed experts.
+    pub fn naming(&self) -> &ExpertNaming {
+        &self.naming
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
@@ -195,14 +207,18 @@ impl WeightSource for DirSource {
         on_ready: &mut ExpertCallback<'_>,
     ) -> Result<()> {
         for &e in experts {
-            let parts = self.experts.get(&(layer, e)).ok_or_else(|| InferenceError::MissingExpert {
-                layer,
-                expert: e,
-                reason: format!(
-                    "no tensors named model.layers.{layer}.mlp.experts.{e}.* (or fused experts) in {}",
-                    self.ckpt.dir.display()
-                ),
-            })?;
+            let parts =
+                self.experts
+                    .get(&(layer, e))
+                    .ok_or_else(|| InferenceError::MissingExpert {
+                        layer,
+                        expert: e,
+                        reason: format!(
+                            "no tensors named {} (or fused experts) in {}",
+                            self.naming.expert_tensor(layer as u32, e as u32, "*"),
+                            self.ckpt.dir.display()
+                        ),
+                    })?;
             let view = ExpertView::new(
                 parts
                     .iter()

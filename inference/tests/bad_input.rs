@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use common::fixture_dir;
 use common::synth::synth_model;
+use deltafin_formats::Dtype;
 use deltafin_inference::weights::{ExpertCallback, TensorRef, WeightSource};
 use deltafin_inference::{ConfigError, DirSource, InferenceError, Model};
-use deltafin_storage::safetensors::Dtype;
 use serde_json::Value;
 
 fn fixture_config(name: &str) -> Value {

@@ -46,7 +46,7 @@ fn check_fixture(name: &str) -> Report {
     for t in 0..n {
         assert_close(
             &format!("{name}: prompt row {t}"),
-            logits.row(t),
+            logits.row(t).unwrap(),
             &want[t * vocab..(t + 1) * vocab],
         );
     }

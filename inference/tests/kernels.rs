@@ -13,7 +13,8 @@
 //! - 16-bit activations (two int8 planes), reference vs f64 math: as int8 with amax / 32512
 //!   (127 * 256) per unit of |w| instead of amax / 254; SIMD vs reference as int8.
 
-use deltafin_inference::kernels::{self, quant, Act, Isa};
+use deltafin_formats::quantize as quant;
+use deltafin_inference::kernels::{self, Act, Isa};
 use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
 
 struct Mat {
@@ -105,7 +106,7 @@ fn make(name: &str, rows: usize, cols: usize, seed: u64) -> Mat {
         "int4" => {
             let q = quant::quantize_int4(&w, rows, cols, 32);
             (
-                WeightFormat::Int4Group { group: 32 },
+                WeightFormat::Int4 { group: 32 },
                 ScaleType::Bf16,
                 q.data,
                 q.scale,
@@ -114,7 +115,7 @@ fn make(name: &str, rows: usize, cols: usize, seed: u64) -> Mat {
         "int4g64" => {
             let q = quant::quantize_int4(&w, rows, cols, 64);
             (
-                WeightFormat::Int4Group { group: 64 },
+                WeightFormat::Int4 { group: 64 },
                 ScaleType::Bf16,
                 q.data,
                 q.scale,
@@ -330,7 +331,7 @@ fn quantizers_round_trip_through_the_decoders() {
         (
             "int4",
             quant::quantize_int4(&w, rows, cols, 32),
-            WeightFormat::Int4Group { group: 32 },
+            WeightFormat::Int4 { group: 32 },
             ScaleType::Bf16,
             0.12,
         ),

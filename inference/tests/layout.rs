@@ -14,6 +14,7 @@ use deltafin_inference::{InferenceError, LayoutSource, LayoutSourceOptions, Load
 use deltafin_storage::backend::{Fault, FaultyBackend, PosixBackend};
 use deltafin_storage::checkpoint::Checkpoint;
 use deltafin_storage::engine::HashCheck;
+use deltafin_storage::expert_parts::{expert_sources, resident_tensors};
 use deltafin_storage::layout::{write_layout, LayoutOptions, NoProgress};
 use deltafin_storage::manifest::RecordId;
 use deltafin_storage::stripe::{align_up, Mode};
@@ -43,6 +44,7 @@ fn lay_out(
         mode,
         stripe_unit: unit,
         force: false,
+        naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
@@ -120,8 +122,8 @@ fn check_layout(name: &str, mode: Mode, drives: usize, unit: u64) {
     let s = src.stats();
     assert_eq!(s.resident_bytes, last.total_bytes);
     assert_eq!(s.resident_records, last.total_records);
-    assert!(s.experts_fetched > 0 && s.expert_bytes > 0 && s.expert_batches > 0);
-    assert_eq!(s.bytes_read, s.resident_bytes + s.expert_bytes);
+    assert!(s.fetch.reads > 0 && s.fetch.read_bytes > 0 && s.fetch.batches > 0);
+    assert_eq!(s.bytes_read, s.resident_bytes + s.fetch.read_bytes);
     assert_eq!(s.drives.len(), drives);
     let drive_bytes: u64 = s.drives.iter().map(|d| d.bytes_read).sum();
     assert!(drive_bytes >= s.bytes_read);
@@ -214,7 +216,8 @@ fn tight_buffer_cap_reads_one_expert_at_a_time() {
     for h in handles {
         h.join().unwrap();
     }
-    assert!(src.engine().pool().in_use() <= biggest);
+    let s = src.stats();
+    assert!(s.fetch.peak_bytes <= biggest && s.expert_memory_bytes <= biggest);
 }
 
 /// Expert views hold the same bytes as the checkpoint; resident tensors too.
@@ -224,7 +227,8 @@ fn views_match_checkpoint_bytes() {
     let ckpt = Checkpoint::open(&dir).unwrap();
     let (_tmp, dirs) = lay_out("deepseek_v3_int4", Mode::Stripe, 3, 8192);
     let src = LayoutSource::open(&dirs[1].join("manifest.json"), &options()).unwrap();
-    for t in ckpt.resident() {
+    let naming = deltafin_inference::family::expert_naming(&ckpt.config).unwrap();
+    for t in resident_tensors(&ckpt, &naming) {
         let ours = src.tensor(&t.info.name).unwrap();
         assert_eq!(
             ours.bytes,
@@ -235,8 +239,11 @@ fn views_match_checkpoint_bytes() {
         assert_eq!(ours.shape, t.info.shape.as_slice());
         assert_eq!(ours.dtype, t.info.dtype);
     }
-    assert_eq!(src.resident_names().count(), ckpt.resident().count());
-    let experts = ckpt.experts().unwrap();
+    assert_eq!(
+        src.resident_names().count(),
+        resident_tensors(&ckpt, &naming).count()
+    );
+    let experts = expert_sources(&ckpt, &naming).unwrap();
     let layer = experts[0].layer as usize;
     let want: Vec<usize> = experts
         .iter()
@@ -450,7 +457,7 @@ fn prefetch_gate_follows_measured_precision() {
             &mut sink,
         );
     }
-    let bad = src.stats().fetch.since(&good);
+    let bad = &src.stats().fetch - &good;
     assert!(
         bad.prefetch_gated > 0,
         "wrong predictions must close the gate: {bad:?}"
@@ -459,7 +466,7 @@ fn prefetch_gate_follows_measured_precision() {
     for _ in 0..6 {
         round(&src, &[0, 1], &[0, 1], &mut sink);
     }
-    let after = src.stats().fetch.since(&before);
+    let after = &src.stats().fetch - &before;
     assert!(
         after.prefetch_gated > 0,
         "still gated until the average recovers: {after:?}"
@@ -473,7 +480,7 @@ fn prefetch_gate_follows_measured_precision() {
         let e = [7, 9];
         let b = src.stats().fetch;
         round(&src, &e, &e, &mut sink);
-        src.stats().fetch.since(&b)
+        &src.stats().fetch - &b
     };
     assert!(
         last.prefetch_reads + last.prefetch_hits + last.cache_hits > 0 && last.prefetch_gated == 0,

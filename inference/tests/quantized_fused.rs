@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use common::synth::synth_model;
 use common::{max_abs, max_abs_diff};
+use deltafin_inference::quantize::{ExpertFormat, QuantizeExperts};
 use deltafin_inference::{DirSource, LayoutSource, LayoutSourceOptions, Model};
 use deltafin_storage::checkpoint::Checkpoint;
-use deltafin_storage::formats::{ExpertFormat, QuantizeExperts};
 use deltafin_storage::layout::{write_layout, ExpertTransform, LayoutOptions, NoProgress};
 use deltafin_storage::manifest::RecordId;
 use deltafin_storage::stripe::Mode;
@@ -43,13 +43,17 @@ fn fused_qwen_experts_are_quantized_at_layout() {
 
     for (format, max_rel) in [(ExpertFormat::Q8, 0.02), (ExpertFormat::Int4, 0.3)] {
         let drive = tempfile::tempdir().unwrap();
-        let quant = Arc::new(QuantizeExperts::new(format));
+        let quant = Arc::new(QuantizeExperts::new(
+            format,
+            deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
+        ));
         let opts = LayoutOptions {
             name: "q".into(),
             drives: vec![drive.path().to_path_buf()],
             mode: Mode::Stripe,
             stripe_unit: 8192,
             force: false,
+            naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
             transform: Some(quant.clone() as Arc<dyn ExpertTransform>),
         };
         let manifest = write_layout(&ckpt, &opts, &NoProgress).unwrap();

@@ -11,10 +11,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{argmax, fixture_dir, max_abs, max_abs_diff, Reference};
+use deltafin_inference::quantize::{ExpertFormat, QuantizeExperts};
 use deltafin_inference::{LayoutSource, LayoutSourceOptions, Model};
 use deltafin_storage::checkpoint::Checkpoint;
 use deltafin_storage::engine::HashCheck;
-use deltafin_storage::formats::{ExpertFormat, QuantizeExperts};
 use deltafin_storage::layout::{write_layout, ExpertTransform, LayoutOptions, NoProgress};
 use deltafin_storage::manifest::Manifest;
 use deltafin_storage::stripe::Mode;
@@ -45,7 +45,13 @@ fn lay_out(format: Option<ExpertFormat>) -> (tempfile::TempDir, tempfile::TempDi
         mode: Mode::Stripe,
         stripe_unit: 8192,
         force: false,
-        transform: format.map(|f| Arc::new(QuantizeExperts::new(f)) as Arc<dyn ExpertTransform>),
+        naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
+        transform: format.map(|f| {
+            Arc::new(QuantizeExperts::new(
+                f,
+                deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
+            )) as Arc<dyn ExpertTransform>
+        }),
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     (a, b, m)

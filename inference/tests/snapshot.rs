@@ -183,18 +183,9 @@ fn refusals_say_why() {
 #[test]
 fn same_config_other_weights_is_another_model() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = deltafin_storage::synth::preset_config("qwen3_moe", "tiny").unwrap();
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     for (p, seed) in [(&a, 1u64), (&b, 2u64)] {
-        deltafin_storage::synth::write_checkpoint(
-            p,
-            &cfg,
-            seed,
-            1 << 30,
-            false,
-            &deltafin_storage::layout::NoProgress,
-        )
-        .unwrap();
+        common::synth_preset(p, "qwen3_moe", seed, &[]);
     }
     let ma = Model::load(Arc::new(DirSource::open(&a).unwrap())).unwrap();
     let mb = Model::load(Arc::new(DirSource::open(&b).unwrap())).unwrap();

@@ -252,9 +252,9 @@ fn bad_drafts_and_inputs_are_errors() {
 fn synth_layout(arch: &str, seed: u64) -> (tempfile::TempDir, Model) {
     let tmp = tempfile::tempdir().unwrap();
     let ck = tmp.path().join("ckpt");
-    let cfg = deltafin_storage::synth::preset_config(arch, "tiny").unwrap();
-    deltafin_storage::synth::write_checkpoint(&ck, &cfg, seed, 1 << 30, false, &NoProgress)
-        .unwrap();
+    common::synth_preset(&ck, arch, seed, &[]);
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
     let drives: Vec<_> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
     for d in &drives {
         std::fs::create_dir_all(d).unwrap();
@@ -265,6 +265,7 @@ fn synth_layout(arch: &str, seed: u64) -> (tempfile::TempDir, Model) {
         mode: Mode::Stripe,
         stripe_unit: 8192,
         force: false,
+        naming: deltafin_inference::family::expert_naming(&cfg).unwrap(),
         transform: None,
     };
     let m = write_layout(&Checkpoint::open(&ck).unwrap(), &opts, &NoProgress).unwrap();

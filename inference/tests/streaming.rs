@@ -4,6 +4,8 @@
 //! prefill reads each expert at most once per layer per chunk.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -15,15 +17,12 @@ use deltafin_storage::engine::HashCheck;
 use deltafin_storage::layout::{write_layout, LayoutOptions, NoProgress};
 use deltafin_storage::manifest::RecordId;
 use deltafin_storage::stripe::{align_up, Mode};
-use deltafin_storage::synth::{apply_overrides, preset_config, write_checkpoint};
 
 const NEW_TOKENS: usize = 12;
 
 fn synth_model(dir: &Path, arch: &str) {
-    let mut cfg = preset_config(arch, "tiny").unwrap();
     // More layers than the preset so prefetch and the cache see several MoE layers.
-    apply_overrides(&mut cfg, &["num_hidden_layers=5".into()]).unwrap();
-    write_checkpoint(dir, &cfg, 7, 1 << 30, false, &NoProgress).unwrap();
+    common::synth_preset(dir, arch, 7, &["num_hidden_layers=5"]);
 }
 
 fn prompt() -> Vec<u32> {
@@ -60,6 +59,7 @@ fn lay_out(ckpt: &Path, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, P
         mode,
         stripe_unit: 8192,
         force: false,
+        naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
@@ -69,7 +69,7 @@ fn lay_out(ckpt: &Path, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, P
 
 struct Run {
     tokens: Vec<u32>,
-    stats: deltafin_inference::LayoutStats,
+    stats: deltafin_inference::StoreStats,
 }
 
 fn run(layout: &Path, cap: u64, policy: CachePolicy, prefetch: bool) -> Run {

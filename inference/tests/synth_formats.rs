@@ -8,22 +8,29 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use deltafin_formats::codec::{fp8_e4m3_to_f32, MXFP4_LUT};
+use deltafin_formats::quantize::{quantize_fp8_block, FP8_BLOCK, GROUP};
+use deltafin_formats::Dtype;
 use deltafin_inference::linear::{dequantize, QuantHints};
+use deltafin_inference::quantize::ExpertFormat;
+use deltafin_inference::synth::presets::preset_config;
+use deltafin_inference::synth::{write_synth, SynthFormat};
 use deltafin_inference::weights::WeightSource;
 use deltafin_inference::{DirSource, Model};
 use deltafin_storage::checkpoint::Checkpoint;
-use deltafin_storage::formats::{
-    fp8_e4m3_to_f32, quantize_fp8_block, ExpertFormat, FP8_BLOCK, GROUP, MXFP4_LUT,
-};
+use deltafin_storage::checkpoint_writer::WriteOptions;
 use deltafin_storage::layout::NoProgress;
-use deltafin_storage::safetensors::Dtype;
-use deltafin_storage::synth::{preset_config, write_checkpoint_as, SynthFormat};
 
 const SEED: u64 = 11;
 
 fn synth(dir: &Path, arch: &str, format: SynthFormat) {
     let cfg = preset_config(arch, "tiny").unwrap();
-    write_checkpoint_as(dir, &cfg, format, SEED, 1 << 30, false, &NoProgress).unwrap();
+    let opts = WriteOptions {
+        seed: SEED,
+        shard_bytes: 1 << 30,
+        force: false,
+    };
+    write_synth(dir, &cfg, format, &opts, &NoProgress).unwrap();
 }
 
 fn dtype_of(ck: &Checkpoint, name: &str) -> Dtype {

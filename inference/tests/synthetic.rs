@@ -78,7 +78,7 @@ fn check(name: &str, config: &Value, fused: bool, seed: u64) -> (f32, f32) {
     for (t, &tok) in PROMPT.iter().enumerate() {
         let row = model.forward(&mut s, &[tok]).unwrap();
         assert_eq!(row.rows, 1);
-        let e = max_abs_diff(row.row(0), full.row(t));
+        let e = max_abs_diff(row.row(0).unwrap(), full.row(t).unwrap());
         assert!(e <= tol, "{name}: incremental position {t}: {e} > {tol}");
         cache_err = cache_err.max(e);
     }
@@ -89,10 +89,13 @@ fn check(name: &str, config: &Value, fused: bool, seed: u64) -> (f32, f32) {
     let a = model.forward(&mut s, &PROMPT[..5]).unwrap();
     let b = model.forward_last(&mut s, &PROMPT[5..]).unwrap();
     assert!(
-        max_abs_diff(a.row(4), full.row(4)) <= tol,
+        max_abs_diff(a.row(4).unwrap(), full.row(4).unwrap()) <= tol,
         "{name}: chunk 1"
     );
-    assert!(max_abs_diff(&b, full.row(n - 1)) <= tol, "{name}: chunk 2");
+    assert!(
+        max_abs_diff(&b, full.row(n - 1).unwrap()) <= tol,
+        "{name}: chunk 2"
+    );
 
     // 4. Truncate (speculative rollback) and redo with different tokens, then the original ones.
     let wrong: Vec<u32> = PROMPT[6..].iter().map(|t| (t + 1) % vocab as u32).collect();
@@ -102,7 +105,7 @@ fn check(name: &str, config: &Value, fused: bool, seed: u64) -> (f32, f32) {
     s.truncate(6).unwrap();
     let redo = model.forward(&mut s, &PROMPT[6..]).unwrap();
     for t in 6..n {
-        let e = max_abs_diff(redo.row(t - 6), full.row(t));
+        let e = max_abs_diff(redo.row(t - 6).unwrap(), full.row(t).unwrap());
         assert!(e <= tol, "{name}: after truncate, position {t}: {e}");
     }
     assert!(s.truncate(n + 1).is_err());

@@ -118,6 +118,8 @@ pub enum Fault {
     },
     /// Reads of matching files see this byte flipped (silent corruption).
     FlipByte { path_contains: String, offset: u64 },
+    /// Record the offset of every read, in the order reads start ([`FaultyBackend::read_log`]).
+    LogReads,
 }
 
 /// Wraps a backend and injects [`Fault`]s.
@@ -127,6 +129,8 @@ pub struct FaultyBackend {
     pub faults: Vec<Fault>,
     /// How many reads hit an injected fault.
     pub hits: Arc<AtomicU64>,
+    /// With [`Fault::LogReads`]: every read's file offset, in the order reads started.
+    pub read_log: Arc<std::sync::Mutex<Vec<u64>>>,
 }
 
 impl FaultyBackend {
@@ -135,6 +139,7 @@ impl FaultyBackend {
             inner,
             faults,
             hits: Arc::new(AtomicU64::new(0)),
+            read_log: Arc::default(),
         }
     }
 }
@@ -145,6 +150,7 @@ struct FaultyFile {
     path: String,
     faults: Vec<Fault>,
     hits: Arc<AtomicU64>,
+    read_log: Arc<std::sync::Mutex<Vec<u64>>>,
 }
 
 impl IoBackend for FaultyBackend {
@@ -154,6 +160,7 @@ impl IoBackend for FaultyBackend {
             path: path.display().to_string(),
             faults: self.faults.clone(),
             hits: self.hits.clone(),
+            read_log: self.read_log.clone(),
         }))
     }
 }
@@ -172,6 +179,11 @@ impl IoFile for FaultyFile {
                     return Err(io::Error::from_raw_os_error(libc::EIO));
                 }
                 Fault::ShortReads => limit = (buf.len() / 2).max(512).min(buf.len()),
+                Fault::LogReads => self
+                    .read_log
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(offset),
                 Fault::Latency(d) => std::thread::sleep(*d),
                 Fault::SlowPath {
                     path_contains,

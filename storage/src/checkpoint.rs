@@ -9,10 +9,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::error::{Result, StorageError};
-use crate::safetensors::{self, Dtype, TensorInfo};
-
-/// `model_type`s whose tensors we know how to place and run.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2", "qwen3_moe"];
+use crate::safetensors::{self, TensorInfo};
 
 /// One tensor of the checkpoint and the shard holding it.
 #[derive(Clone, Debug)]
@@ -20,77 +17,6 @@ pub struct CheckpointTensor {
     pub info: TensorInfo,
     /// Index into [`Checkpoint::files`].
     pub file: usize,
-}
-
-/// Where a tensor goes in a layout.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TensorRole {
-    /// Kept in RAM for the whole run: embeddings, attention, norms, routers, shared experts,
-    /// dense MLPs, lm_head.
-    Resident,
-    /// One routed expert's own tensor (`...mlp.experts.E.gate_proj.weight`).
-    Expert {
-        layer: u32,
-        expert: u32,
-        part: String,
-    },
-    /// A per-layer tensor holding every routed expert along its first dimension
-    /// (`...mlp.experts.gate_up_proj`).
-    FusedExperts { layer: u32, part: String },
-}
-
-/// Classify a tensor by its Hugging Face name.
-pub fn tensor_role(name: &str) -> TensorRole {
-    let Some(rest) = name.strip_prefix("model.layers.") else {
-        return TensorRole::Resident;
-    };
-    let Some((layer, rest)) = rest.split_once('.') else {
-        return TensorRole::Resident;
-    };
-    let Ok(layer) = layer.parse::<u32>() else {
-        return TensorRole::Resident;
-    };
-    let Some(rest) = rest.strip_prefix("mlp.experts.") else {
-        return TensorRole::Resident;
-    };
-    match rest.split_once('.') {
-        Some((e, part)) if e.bytes().all(|b| b.is_ascii_digit()) && !e.is_empty() => {
-            match e.parse::<u32>() {
-                Ok(expert) => TensorRole::Expert {
-                    layer,
-                    expert,
-                    part: part.to_string(),
-                },
-                Err(_) => TensorRole::Resident,
-            }
-        }
-        _ => TensorRole::FusedExperts {
-            layer,
-            part: rest.to_string(),
-        },
-    }
-}
-
-/// A piece of an expert record: which bytes of which shard, and what they mean.
-#[derive(Clone, Debug)]
-pub struct ExpertPart {
-    /// Name within the expert (`gate_proj.weight`, `down_proj.weight_scale`, `gate_up_proj`).
-    pub part: String,
-    pub dtype: Dtype,
-    pub shape: Vec<u64>,
-    pub file: usize,
-    pub offset: u64,
-    pub len: u64,
-    /// The full checkpoint tensor name the bytes come from (for error messages).
-    pub source: String,
-}
-
-/// All tensors of one routed expert, in a fixed order.
-#[derive(Clone, Debug)]
-pub struct ExpertSource {
-    pub layer: u32,
-    pub expert: u32,
-    pub parts: Vec<ExpertPart>,
 }
 
 /// An opened checkpoint directory.
@@ -111,7 +37,11 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let config_path = dir.join("config.json");
         let config = read_config(&config_path)?;
-        let model_type = check_model_type(&config_path, &config)?;
+        let model_type = config
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("")
+            .to_string();
 
         let files = shard_files(dir)?;
         let mut tensors = Vec::new();
@@ -190,130 +120,6 @@ impl Checkpoint {
     pub fn slice(&self, file: usize, offset: u64, len: u64) -> &[u8] {
         &self.maps[file][offset as usize..(offset + len) as usize]
     }
-
-    /// Number of routed experts per MoE layer the config declares.
-    pub fn n_routed_experts(&self) -> Option<u64> {
-        self.config
-            .get("n_routed_experts")
-            .or_else(|| self.config.get("num_experts"))
-            .and_then(|v| v.as_u64())
-    }
-
-    /// Resident tensors, in file order.
-    pub fn resident(&self) -> impl Iterator<Item = &CheckpointTensor> {
-        self.tensors
-            .iter()
-            .filter(|t| tensor_role(&t.info.name) == TensorRole::Resident)
-    }
-
-    /// Every routed expert, sorted by (layer, expert), each with its parts sorted by name.
-    /// Fused per-layer tensors are cut into per-expert slices.
-    pub fn experts(&self) -> Result<Vec<ExpertSource>> {
-        let mut map: BTreeMap<(u32, u32), Vec<ExpertPart>> = BTreeMap::new();
-        for t in &self.tensors {
-            match tensor_role(&t.info.name) {
-                TensorRole::Resident => {}
-                TensorRole::Expert {
-                    layer,
-                    expert,
-                    part,
-                } => {
-                    map.entry((layer, expert)).or_default().push(ExpertPart {
-                        part,
-                        dtype: t.info.dtype.clone(),
-                        shape: t.info.shape.clone(),
-                        file: t.file,
-                        offset: t.info.offset,
-                        len: t.info.len,
-                        source: t.info.name.clone(),
-                    });
-                }
-                TensorRole::FusedExperts { layer, part } => {
-                    let n = self
-                        .n_routed_experts()
-                        .ok_or_else(|| StorageError::Config {
-                            path: self.dir.join("config.json"),
-                            reason: "fused expert tensors need n_routed_experts or num_experts"
-                                .into(),
-                        })?;
-                    let bad = |reason: String| StorageError::Tensor {
-                        path: self.files[t.file].clone(),
-                        tensor: t.info.name.clone(),
-                        reason,
-                    };
-                    if t.info.shape.first() != Some(&n) || t.info.shape.len() < 2 {
-                        return Err(bad(format!(
-                            "fused expert tensor has shape {:?}; expected [{n}, ...]",
-                            t.info.shape
-                        )));
-                    }
-                    if t.info.len % n != 0 {
-                        return Err(bad(format!(
-                            "{} bytes do not split into {n} experts",
-                            t.info.len
-                        )));
-                    }
-                    let slice = t.info.len / n;
-                    for e in 0..n {
-                        map.entry((layer, e as u32)).or_default().push(ExpertPart {
-                            part: part.clone(),
-                            dtype: t.info.dtype.clone(),
-                            shape: t.info.shape[1..].to_vec(),
-                            file: t.file,
-                            offset: t.info.offset + e * slice,
-                            len: slice,
-                            source: format!("{}[{e}]", t.info.name),
-                        });
-                    }
-                }
-            }
-        }
-        let out: Vec<ExpertSource> = map
-            .into_iter()
-            .map(|((layer, expert), mut parts)| {
-                parts.sort_by(|a, b| a.part.cmp(&b.part));
-                ExpertSource {
-                    layer,
-                    expert,
-                    parts,
-                }
-            })
-            .collect();
-        // Within a layer every expert must carry the same parts with the same shapes.
-        let mut i = 0;
-        while i < out.len() {
-            let layer = out[i].layer;
-            let first = i;
-            while i < out.len() && out[i].layer == layer {
-                let (a, b) = (&out[first], &out[i]);
-                let same = a.parts.len() == b.parts.len()
-                    && a.parts
-                        .iter()
-                        .zip(&b.parts)
-                        .all(|(x, y)| x.part == y.part && x.dtype == y.dtype && x.shape == y.shape);
-                if !same {
-                    let names = |s: &ExpertSource| {
-                        s.parts
-                            .iter()
-                            .map(|p| format!("{} {} {:?}", p.part, p.dtype, p.shape))
-                            .collect::<Vec<_>>()
-                    };
-                    return Err(StorageError::Tensor {
-                        path: self.dir.clone(),
-                        tensor: format!("model.layers.{layer}.mlp.experts.{}", b.expert),
-                        reason: format!(
-                            "expert has parts {:?} but expert {} of the same layer has {:?}",
-                            names(b),
-                            a.expert,
-                            names(a)
-                        ),
-                    });
-                }
-                i += 1;
-            }
-        }
-        Ok(out)
-    }
 }
 
 /// Read and parse `config.json` as a JSON object.
@@ -331,31 +137,6 @@ pub fn read_config(path: &Path) -> Result<serde_json::Value> {
         });
     }
     Ok(value)
-}
-
-/// The config's `model_type`, if it is one we support.
-pub fn check_model_type(path: &Path, config: &serde_json::Value) -> Result<String> {
-    let supported = || {
-        SUPPORTED_MODEL_TYPES
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    };
-    match config.get("model_type").and_then(|v| v.as_str()) {
-        Some(t) if SUPPORTED_MODEL_TYPES.contains(&t) => Ok(t.to_string()),
-        Some(t) => Err(StorageError::UnsupportedModelType {
-            path: path.to_path_buf(),
-            got: t.to_string(),
-            supported: supported(),
-        }),
-        None => Err(StorageError::Config {
-            path: path.to_path_buf(),
-            reason: format!(
-                "missing string field `model_type` (supported: {})",
-                SUPPORTED_MODEL_TYPES.join(", ")
-            ),
-        }),
-    }
 }
 
 fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
@@ -430,41 +211,4 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(files)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn roles() {
-        assert_eq!(
-            tensor_role("model.embed_tokens.weight"),
-            TensorRole::Resident
-        );
-        assert_eq!(
-            tensor_role("model.layers.3.mlp.gate.weight"),
-            TensorRole::Resident
-        );
-        assert_eq!(
-            tensor_role("model.layers.3.mlp.shared_experts.up_proj.weight"),
-            TensorRole::Resident
-        );
-        assert_eq!(
-            tensor_role("model.layers.3.mlp.experts.12.down_proj.weight_scale_inv"),
-            TensorRole::Expert {
-                layer: 3,
-                expert: 12,
-                part: "down_proj.weight_scale_inv".into()
-            }
-        );
-        assert_eq!(
-            tensor_role("model.layers.7.mlp.experts.gate_up_proj"),
-            TensorRole::FusedExperts {
-                layer: 7,
-                part: "gate_up_proj".into()
-            }
-        );
-        assert_eq!(tensor_role("lm_head.weight"), TensorRole::Resident);
-    }
 }

@@ -55,13 +55,6 @@ pub enum StorageError {
     #[error("{path}: {reason}")]
     Config { path: PathBuf, reason: String },
 
-    #[error("{path}: model_type `{got}` is not supported; supported: {}", supported.join(", "))]
-    UnsupportedModelType {
-        path: PathBuf,
-        got: String,
-        supported: Vec<String>,
-    },
-
     #[error("{path}: tensor `{tensor}`: {reason}")]
     Tensor {
         path: PathBuf,
@@ -153,6 +146,40 @@ pub enum StorageError {
 
     #[error("unknown record: {0}")]
     UnknownRecord(String),
+
+    /// The layout holds no record for a routed expert.
+    #[error("layer {layer}: routed expert {expert} is not available: {reason}")]
+    MissingExpert {
+        layer: u32,
+        expert: u32,
+        reason: String,
+    },
+
+    /// The expert memory budget cannot hold even this one expert record.
+    #[error("layer {layer} expert {expert}: its record needs {need} bytes but the expert memory budget is {cap} bytes")]
+    ExpertBudget {
+        layer: u32,
+        expert: u32,
+        need: u64,
+        cap: u64,
+    },
+
+    /// Reading a routed expert's record failed.
+    #[error("layer {layer} expert {expert}: reading its record failed: {source}")]
+    ExpertRead {
+        layer: u32,
+        expert: u32,
+        #[source]
+        source: Box<StorageError>,
+    },
+
+    /// Reading a resident record failed.
+    #[error("resident record `{record}`: read failed: {source}")]
+    ResidentRead {
+        record: String,
+        #[source]
+        source: Box<StorageError>,
+    },
 
     #[error("the fetch was cancelled")]
     Cancelled,

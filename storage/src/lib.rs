@@ -14,16 +14,20 @@
 //! - [`verify`]: check every byte of a layout.
 
 pub mod backend;
+pub mod bench;
 pub mod buffer;
 pub mod checkpoint;
+pub mod checkpoint_writer;
+pub mod clock;
 pub mod engine;
 pub mod error;
-pub mod formats;
+pub mod expert_parts;
 pub mod layout;
 pub mod manifest;
+pub mod naming;
 pub mod safetensors;
+pub mod store;
 pub mod stripe;
-pub mod synth;
 pub mod verify;
 
 pub use error::{Result, SafetensorsError, StorageError};

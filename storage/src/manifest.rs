@@ -126,6 +126,26 @@ impl Manifest {
         self.expert_templates.iter().find(|t| t.layer == layer)
     }
 
+    /// The routed-expert records.
+    pub fn expert_records(&self) -> impl Iterator<Item = &RecordEntry> {
+        self.records
+            .iter()
+            .filter(|r| matches!(r.id, RecordId::Expert { .. }))
+    }
+
+    /// Payload bytes of every routed-expert record.
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_records().map(|r| r.len).sum()
+    }
+
+    /// The largest routed-expert record, 4 KiB-aligned as it is read (0 without experts).
+    pub fn largest_expert_record(&self) -> u64 {
+        self.expert_records()
+            .map(|r| crate::stripe::align_up(r.len.max(1)))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Tensors of a record (its own list, or its layer's template).
     pub fn record_tensors<'a>(&'a self, record: &'a RecordEntry) -> &'a [RecordTensor] {
         match &record.id {

@@ -112,6 +112,27 @@ struct Stream {
     hasher: blake3::Hasher,
 }
 
+/// Open the layout at `path` (any drive's copy) and verify it with `threads_per_drive`
+/// readers per drive and `buffer_cap` bytes of buffers. Returns the manifest and the report.
+pub fn verify_layout(
+    path: &Path,
+    threads_per_drive: usize,
+    buffer_cap: u64,
+    progress: &dyn Progress,
+) -> Result<(std::sync::Arc<Manifest>, Vec<PathBuf>, VerifyReport)> {
+    let (manifest, dirs) = crate::layout::open_layout(path)?;
+    let manifest = std::sync::Arc::new(manifest);
+    let config = crate::engine::EngineConfig {
+        threads_per_drive,
+        buffer_cap_bytes: buffer_cap,
+        hash_check: crate::engine::HashCheck::Off,
+        ..crate::engine::EngineConfig::default()
+    };
+    let engine = Engine::open(manifest.clone(), &dirs, config)?;
+    let report = verify(&engine, &dirs, progress)?;
+    Ok((manifest, dirs, report))
+}
+
 /// Verify a layout. `dirs` are the drive folders (from `open_layout`).
 pub fn verify(engine: &Engine, dirs: &[PathBuf], progress: &dyn Progress) -> Result<VerifyReport> {
     let manifest = engine.manifest().clone();

@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)] // test helpers: a panic is the failure report
 
+mod common;
+
 use deltafin_storage::manifest::Manifest;
 use deltafin_storage::safetensors::{parse_bytes, write_header, Dtype, TensorSpec};
 use proptest::prelude::*;
@@ -56,10 +58,7 @@ fn manifest_mutations() {
     use deltafin_storage::layout::{write_layout, LayoutOptions, NoProgress};
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    let cfg = deltafin_storage::synth::preset_config("qwen3_moe", "tiny").unwrap();
-    deltafin_storage::synth::write_checkpoint(&model, &cfg, 3, 1 << 30, false, &NoProgress)
-        .unwrap();
-    let ck = deltafin_storage::checkpoint::Checkpoint::open(&model).unwrap();
+    let ck = common::write_model(&model, common::MODEL_B, 3);
     let d = tmp.path().join("d0");
     std::fs::create_dir_all(&d).unwrap();
     let opts = LayoutOptions {
@@ -68,6 +67,7 @@ fn manifest_mutations() {
         mode: deltafin_storage::stripe::Mode::Stripe,
         stripe_unit: 8192,
         force: false,
+        naming: common::naming(),
         transform: None,
     };
     write_layout(&ck, &opts, &NoProgress).unwrap();

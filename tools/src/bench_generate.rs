@@ -12,7 +12,13 @@ use deltafin_inference::{CachePolicy, GenerateConfig};
 use deltafin_storage::engine::HashCheck;
 use serde_json::json;
 
-use crate::generate::{apply_budget, load, run_measured, SourceArgs};
+use deltafin_inference::generate;
+use deltafin_inference::run::measure_generation;
+use deltafin_inference::run::memory::tame_allocator;
+
+use crate::generate::args::SourceArgs;
+use crate::generate::loaded::load;
+use crate::generate::report::{summary, to_json};
 use crate::util::{machine, parse_size};
 
 /// The standard text prompts.
@@ -84,7 +90,7 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
-    crate::generate::tame_allocator();
+    tame_allocator();
     let source = SourceArgs {
         model: a.layout.clone(),
         threads_per_drive: a.threads_per_drive,
@@ -98,7 +104,7 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
     };
     // Prompts: tokenized when a tokenizer is there, else synthetic ids of similar length.
     let probe = load(&source)?;
-    let vocab = probe.model.vocab_size();
+    let vocab = probe.model().vocab_size();
     let mut prompts: Vec<(String, Vec<u32>)> = Vec::new();
     if a.prompts == "all" || a.prompts == "short" {
         for (i, p) in PROMPTS.iter().enumerate() {
@@ -125,13 +131,18 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
             for r in 0..a.repeats.max(1) {
                 // A fresh layout each run: cold expert cache, counters from zero.
                 let mut loaded = load(&source)?;
-                apply_budget(&mut loaded, &source, ids.len() + n)?;
-                let mut config = GenerateConfig::for_model(&loaded.model, n);
+                loaded.apply_budget(&source, ids.len() + n)?;
+                let model = loaded.model();
+                let mut config = GenerateConfig::for_model(model, n);
                 config.stop_tokens.clear();
                 config.prefill_chunk = a.prefill_chunk;
-                let m = run_measured(&loaded, ids, &config, &mut |_| true)
-                    .with_context(|| format!("generating from `{name}`"))?;
-                let mut v = m.to_json(&loaded, ids);
+                let m = measure_generation(
+                    loaded.opened.layout.as_deref(),
+                    &mut |_| true,
+                    &mut |on_tok| generate(model, &mut model.new_session(), ids, &config, on_tok),
+                )
+                .with_context(|| format!("generating from `{name}`"))?;
+                let mut v = to_json(&m, &loaded, ids);
                 v["prompt"] = name.clone().into();
                 v["repeat"] = r.into();
                 if let Some(o) = v.as_object_mut() {
@@ -139,7 +150,7 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
                     o.remove("prompt_ids");
                     o.remove("machine");
                 }
-                eprintln!("{name} n={n} #{r}: {}", m.summary(&loaded, ids.len()));
+                eprintln!("{name} n={n} #{r}: {}", summary(&m, &loaded, ids.len()));
                 runs.push(v);
                 drop(loaded);
             }

@@ -2,17 +2,16 @@
 //! layer at a time, the next layer's batch already queued, as with prefetch) and compare with
 //! fio doing reads of the same size at the same total queue depth on the same files.
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
-use deltafin_storage::engine::{Engine, HashCheck, Lane};
-use deltafin_storage::manifest::{RecordId, DATA_FILE};
+use deltafin_storage::bench::{ReadBench, ReadMeasure};
+use deltafin_storage::engine::HashCheck;
 use serde_json::json;
 
-use crate::util::{human, machine, open_engine, parse_size};
+use crate::util::{human, machine, parse_size};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Pattern {
@@ -53,99 +52,6 @@ pub struct BenchIoArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
-struct Measured {
-    bytes: u64,
-    records: u64,
-    secs: f64,
-}
-
-fn run_expert(
-    engine: &Engine,
-    layers: &[Vec<usize>],
-    k: usize,
-    inflight: usize,
-    dur: Duration,
-    seed: u64,
-) -> anyhow::Result<Measured> {
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let mut queue = VecDeque::new();
-    let (mut bytes, mut records) = (0u64, 0u64);
-    let start = Instant::now();
-    loop {
-        while queue.len() < inflight.max(1) && start.elapsed() < dur {
-            let layer = &layers[rng.below(layers.len())];
-            let mut pick: Vec<usize> = Vec::with_capacity(k);
-            while pick.len() < k.min(layer.len()) {
-                let e = layer[rng.below(layer.len())];
-                if !pick.contains(&e) {
-                    pick.push(e);
-                }
-            }
-            let (rx, _t) = engine.fetch(&pick, Lane::Demand)?;
-            queue.push_back((rx, pick.len()));
-        }
-        let Some((rx, n)) = queue.pop_front() else {
-            break;
-        };
-        for c in rx.iter().take(n) {
-            let l = c.result?;
-            bytes += l.buf.len() as u64;
-            records += 1;
-        }
-    }
-    Ok(Measured {
-        bytes,
-        records,
-        secs: start.elapsed().as_secs_f64(),
-    })
-}
-
-fn run_sequential(engine: &Engine, dur: Duration) -> anyhow::Result<Measured> {
-    let n = engine.manifest().records.len();
-    let window = engine.drive_count() * engine.threads_per_drive() * 2;
-    let (tx, rx) = crossbeam_channel::bounded(window + 1);
-    let (mut bytes, mut records, mut next, mut inflight) = (0u64, 0u64, 0usize, 0usize);
-    let start = Instant::now();
-    loop {
-        while inflight < window && start.elapsed() < dur {
-            engine.submit(
-                deltafin_storage::engine::Target::Record(next % n),
-                Lane::Demand,
-                0,
-                tx.clone(),
-                None,
-            )?;
-            next += 1;
-            inflight += 1;
-        }
-        if inflight == 0 {
-            break;
-        }
-        let c: deltafin_storage::engine::Completion = rx.recv()?;
-        inflight -= 1;
-        bytes += c.result?.buf.len() as u64;
-        records += 1;
-    }
-    Ok(Measured {
-        bytes,
-        records,
-        secs: start.elapsed().as_secs_f64(),
-    })
 }
 
 /// fio with the same read size and total queue depth on the same files; returns (bytes, seconds, command).
@@ -196,26 +102,13 @@ fn run_fio(
 }
 
 pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
-    let (manifest, dirs, engine) =
-        open_engine(&a.layout, a.threads_per_drive, a.buffer_cap, a.hash_check)?;
-    let mut layers: Vec<Vec<usize>> = Vec::new();
-    let mut last_layer = None;
-    for (i, r) in manifest.records.iter().enumerate() {
-        if let RecordId::Expert { layer, .. } = r.id {
-            if last_layer != Some(layer) {
-                layers.push(Vec::new());
-                last_layer = Some(layer);
-            }
-            if let Some(l) = layers.last_mut() {
-                l.push(i);
-            }
-        }
+    let bench = ReadBench::open(&a.layout, a.threads_per_drive, a.buffer_cap, a.hash_check)
+        .with_context(|| format!("opening layout {}", a.layout.display()))?;
+    if !bench.direct_io() {
+        eprintln!("note: a drive's filesystem refused O_DIRECT; reading through the page cache with posix_fadvise(DONTNEED)");
     }
-    anyhow::ensure!(
-        !layers.is_empty(),
-        "layout {} has no routed experts",
-        manifest.name
-    );
+    let manifest = bench.manifest().clone();
+    let dirs = bench.dirs().to_vec();
     let k = a.k.unwrap_or_else(|| {
         manifest
             .config
@@ -223,32 +116,24 @@ pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
             .and_then(|v| v.as_u64())
             .unwrap_or(8) as usize
     });
-    let record_len = manifest.records[layers[0][0]].len;
-    let read_size = manifest
-        .stripe_unit
-        .min(deltafin_storage::stripe::align_up(record_len));
+    let record_len = bench.expert_record_len();
+    let read_size = bench.read_size();
     // Ours and fio take turns in short rounds, so a drive whose speed drifts during the run
     // (host-cached virtual disks, SSD caches filling) affects both sides alike.
     let with_fio = !a.no_fio && which("fio").is_some();
     let rounds = a.rounds.max(1);
     let per_round = (a.seconds / rounds as f64).max(if with_fio { 1.0 } else { 0.1 });
-    let files: Vec<PathBuf> = dirs.iter().map(|d| d.join(DATA_FILE)).collect();
-    let mut m = Measured {
-        bytes: 0,
-        records: 0,
-        secs: 0.0,
-    };
+    let files = bench.data_files();
+    let mut m = ReadMeasure::default();
     let (mut fio_bytes, mut fio_secs, mut fio_line) = (0.0, 0.0, String::new());
     for r in 0..rounds {
         let dur = Duration::from_secs_f64(per_round);
         let seed = a.seed.wrapping_add(r as u64);
         let mi = match a.pattern {
-            Pattern::Expert => run_expert(&engine, &layers, k, a.batches_in_flight, dur, seed)?,
-            Pattern::Sequential => run_sequential(&engine, dur)?,
+            Pattern::Expert => bench.experts(k, a.batches_in_flight, dur, seed)?,
+            Pattern::Sequential => bench.sequential(dur)?,
         };
-        m.bytes += mi.bytes;
-        m.records += mi.records;
-        m.secs += mi.secs;
+        m += &mi;
         if with_fio {
             let (b, s, line) =
                 run_fio(&files, read_size, a.threads_per_drive, per_round, a.pattern)?;
@@ -257,8 +142,8 @@ pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
             fio_line = line;
         }
     }
-    let stats = engine.stats();
-    drop(engine);
+    let stats = bench.drive_stats();
+    drop(bench);
     let ours = m.bytes as f64 / m.secs;
     let fio = with_fio.then(|| (fio_bytes / fio_secs.max(1e-9), fio_line));
     let report = json!({

@@ -5,9 +5,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use deltafin_inference::family::expert_naming;
+use deltafin_inference::quantize::{ExpertFormat, QuantizeExperts, TensorQuantError};
 use deltafin_storage::checkpoint::Checkpoint;
-use deltafin_storage::formats::{ExpertFormat, QuantizeExperts, TensorQuantError};
-use deltafin_storage::layout::{write_layout, LayoutOptions, DEFAULT_STRIPE_UNIT};
+use deltafin_storage::expert_parts::skipped_tensors;
+use deltafin_storage::layout::{write_layout, ExpertTransform, LayoutOptions, DEFAULT_STRIPE_UNIT};
 use deltafin_storage::stripe::Mode;
 use serde::Deserialize;
 
@@ -98,27 +100,33 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
         .context("give --name (or \"name\" in the spec)")?;
     let ckpt = Checkpoint::open(&a.model)
         .with_context(|| format!("opening checkpoint {}", a.model.display()))?;
+    let naming = expert_naming(&ckpt.config)
+        .with_context(|| format!("{}", a.model.join("config.json").display()))?;
+    let skipped: Vec<&str> = skipped_tensors(&ckpt, &naming)
+        .map(|t| t.info.name.as_str())
+        .collect();
+    if let Some(first) = skipped.first() {
+        eprintln!(
+            "note: {} tensors outside the language model (e.g. `{first}`) are not laid out",
+            skipped.len()
+        );
+    }
     let quant = a
         .quantize_experts
-        .map(|f| Arc::new(QuantizeExperts::new(f)));
+        .map(|f| Arc::new(QuantizeExperts::new(f, naming.clone())));
     let opts = LayoutOptions {
         name,
         drives,
         mode,
         stripe_unit: unit,
         force: a.force,
-        transform: quant
-            .clone()
-            .map(|q| q as Arc<dyn deltafin_storage::layout::ExpertTransform>),
+        naming,
+        transform: quant.clone().map(|q| q as Arc<dyn ExpertTransform>),
     };
     let t = Instant::now();
     let m = write_layout(&ckpt, &opts, &Bar::new(a.quiet))?;
     let secs = t.elapsed().as_secs_f64();
-    let experts = m
-        .records
-        .iter()
-        .filter(|r| matches!(r.id, deltafin_storage::manifest::RecordId::Expert { .. }))
-        .count();
+    let experts = m.expert_records().count();
     println!(
         "laid out {} ({} {}, {} records, {} routed experts) over {} drive(s), {} mode, unit {}, in {:.1}s ({}/s)",
         m.name,

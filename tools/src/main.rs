@@ -5,6 +5,7 @@ mod bench_io;
 mod demo;
 mod generate;
 mod layout_cmd;
+mod logits_cmd;
 mod progress;
 mod speculative_cmd;
 mod synth_cmd;
@@ -36,9 +37,9 @@ enum Command {
     /// Read every byte of a layout on every drive and check every hash.
     Verify(verify_cmd::VerifyArgs),
     /// Generate tokens from a prompt (model directory or layout), streaming them as they come.
-    Generate(generate::GenerateArgs),
+    Generate(generate::args::GenerateArgs),
     /// One forward pass over token ids; write the logits [len, vocab] as f32 safetensors.
-    Logits(generate::LogitsArgs),
+    Logits(generate::args::LogitsArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -86,7 +87,7 @@ fn run(command: &Command) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Io(a)) => bench_io::run(a),
         Command::Bench(BenchCommand::Generate(a)) => bench_generate::run(a),
         Command::Demo(a) => demo::run(a),
-        Command::Generate(a) => generate::run_generate(a),
-        Command::Logits(a) => generate::run_logits(a),
+        Command::Generate(a) => generate::run::run_generate(a),
+        Command::Logits(a) => logits_cmd::run_logits(a),
     }
 }

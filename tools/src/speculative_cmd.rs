@@ -13,7 +13,9 @@ use deltafin_inference::speculative::{
 };
 use deltafin_inference::{generate, DirSource, GenerateConfig, GenerateOutput, Model};
 
-use crate::generate::{run_measured, run_measured_with, Loaded, Measured};
+use deltafin_inference::run::{measure_generation, Measured};
+
+use crate::generate::loaded::Loaded;
 
 /// Drafters for speculative decoding.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,10 +76,19 @@ pub(crate) fn run(
     metrics: &mut serde_json::Map<String, serde_json::Value>,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> anyhow::Result<Measured> {
+    let model = loaded.model();
+    let layout = loaded.opened.layout.as_deref();
     if !args.active() {
-        return run_measured(loaded, prompt, config, on_token);
+        return measure_generation(layout, on_token, &mut |on_tok| {
+            Ok(generate(
+                model,
+                &mut model.new_session(),
+                prompt,
+                config,
+                on_tok,
+            )?)
+        });
     }
-    let model = &loaded.model;
     let vocab = model.vocab_size();
     let mut drafter: Option<Box<dyn Drafter>> = match (&args.draft, &args.draft_model) {
         (Some(DraftKind::Ngram), _) => Some(Box::new(NgramDrafter::default())),
@@ -111,7 +122,7 @@ pub(crate) fn run(
     }
     let needs_hash = args.save_session.is_some() || args.load_session.is_some();
     let hash = if needs_hash {
-        let extra = match &loaded.layout {
+        let extra = match layout {
             Some(src) => serde_json::to_vec(src.manifest()).unwrap_or_default(),
             None => Vec::new(),
         };
@@ -119,16 +130,15 @@ pub(crate) fn run(
     } else {
         None
     };
-    let layout = loaded.layout.clone();
     let spec = SpecConfig {
         max_k: args.draft_k,
         adaptive: !args.fixed_k,
-        bytes_read: layout.map(|s| {
+        bytes_read: loaded.opened.layout.clone().map(|s| {
             Arc::new(move || s.stats().fetch.read_bytes) as Arc<dyn Fn() -> u64 + Send + Sync>
         }),
     };
     let mut m = serde_json::Map::new();
-    let measured = run_measured_with(loaded, on_token, &mut |on_tok| {
+    let measured = measure_generation::<anyhow::Error>(layout, on_token, &mut |on_tok| {
         let (mut session, reused) = match (&args.load_session, &hash) {
             (Some(path), Some(hash)) => {
                 let t = Instant::now();

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use deltafin_storage::synth::{apply_overrides, preset_config, write_checkpoint_as, SynthFormat};
+use deltafin_inference::synth::presets::{apply_overrides, preset_config};
+use deltafin_inference::synth::{write_synth, SynthFormat};
+use deltafin_storage::checkpoint_writer::WriteOptions;
 
 use crate::progress::Bar;
 use crate::util::{human, parse_size};
@@ -44,16 +46,13 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
     let mut cfg = preset_config(&a.arch, &a.preset)?;
     apply_overrides(&mut cfg, &a.sets)?;
     let t = Instant::now();
-    let s = write_checkpoint_as(
-        &a.out,
-        &cfg,
-        a.format,
-        a.seed,
-        a.shard_size,
-        a.force,
-        &Bar::new(a.quiet),
-    )
-    .with_context(|| format!("writing {}", a.out.display()))?;
+    let opts = WriteOptions {
+        seed: a.seed,
+        shard_bytes: a.shard_size,
+        force: a.force,
+    };
+    let s = write_synth(&a.out, &cfg, a.format, &opts, &Bar::new(a.quiet))
+        .with_context(|| format!("writing {}", a.out.display()))?;
     let secs = t.elapsed().as_secs_f64();
     if !a.quiet {
         eprintln!(

@@ -1,13 +1,5 @@
 //! Small helpers shared by the subcommands.
 
-use std::path::Path;
-use std::sync::Arc;
-
-use anyhow::Context;
-use deltafin_storage::engine::{Engine, EngineConfig, HashCheck};
-use deltafin_storage::layout::open_layout;
-use deltafin_storage::manifest::Manifest;
-
 /// Parse sizes like `512K`, `1M`, `4GiB`, `1000`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
@@ -38,29 +30,6 @@ pub fn human(bytes: u64) -> String {
     } else {
         format!("{bytes} B")
     }
-}
-
-/// Open a layout (any drive's manifest or folder) and start an engine on it.
-pub fn open_engine(
-    path: &Path,
-    threads_per_drive: usize,
-    buffer_cap: u64,
-    hash: HashCheck,
-) -> anyhow::Result<(Arc<Manifest>, Vec<std::path::PathBuf>, Engine)> {
-    let (manifest, dirs) =
-        open_layout(path).with_context(|| format!("opening layout {}", path.display()))?;
-    let manifest = Arc::new(manifest);
-    let cfg = EngineConfig {
-        threads_per_drive,
-        buffer_cap_bytes: buffer_cap,
-        hash_check: hash,
-        ..EngineConfig::default()
-    };
-    let engine = Engine::open(manifest.clone(), &dirs, cfg)?;
-    if !engine.direct_io() {
-        eprintln!("note: a drive's filesystem refused O_DIRECT; reading through the page cache with posix_fadvise(DONTNEED)");
-    }
-    Ok((manifest, dirs, engine))
 }
 
 /// Per-drive counters as report JSON.

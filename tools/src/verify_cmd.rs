@@ -2,12 +2,11 @@
 
 use std::path::PathBuf;
 
-use anyhow::bail;
-use deltafin_storage::engine::HashCheck;
-use deltafin_storage::verify::verify;
+use anyhow::{bail, Context};
+use deltafin_storage::verify::verify_layout;
 
 use crate::progress::Bar;
-use crate::util::{human, open_engine, parse_size};
+use crate::util::{human, parse_size};
 
 #[derive(clap::Args, Debug)]
 pub struct VerifyArgs {
@@ -22,9 +21,13 @@ pub struct VerifyArgs {
 }
 
 pub fn run(a: &VerifyArgs) -> anyhow::Result<()> {
-    let (manifest, dirs, engine) =
-        open_engine(&a.layout, a.threads_per_drive, a.buffer_cap, HashCheck::Off)?;
-    let report = verify(&engine, &dirs, &Bar::new(a.quiet))?;
+    let (manifest, dirs, report) = verify_layout(
+        &a.layout,
+        a.threads_per_drive,
+        a.buffer_cap,
+        &Bar::new(a.quiet),
+    )
+    .with_context(|| format!("verifying {}", a.layout.display()))?;
     println!(
         "layout {} ({} mode, {} drive(s)): {} stripe units, {} records checked in {:.2}s",
         manifest.name,

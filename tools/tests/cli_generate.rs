@@ -132,6 +132,7 @@ fn lay_out(name: &str, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, Ve
         mode,
         stripe_unit: 8192,
         force: false,
+        naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
@@ -343,6 +344,7 @@ fn prompt_text_through_a_tokenizer() {
         mode: Mode::Stripe,
         stripe_unit: 8192,
         force: false,
+        naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
     };
     write_layout(&ckpt, &opts, &NoProgress).unwrap();

@@ -1,7 +1,7 @@
 //! Shared by the `formats` and `membw_ratio` benches: the packed test matrices and the
 //! streaming read that measures memory bandwidth.
 
-use deltafin_inference::kernels::quant;
+use deltafin_formats::quantize as quant;
 use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
 use rayon::prelude::*;
 
@@ -61,7 +61,7 @@ pub fn make(name: &'static str, rows: usize, cols: usize) -> Packed {
             let q = quant::quantize_int4(&w, rows, cols, 32);
             Packed {
                 name,
-                format: WeightFormat::Int4Group { group: 32 },
+                format: WeightFormat::Int4 { group: 32 },
                 scale_type: ScaleType::Bf16,
                 data: q.data,
                 scale: q.scale,

@@ -4,13 +4,19 @@
 
 use std::arch::aarch64::*;
 
-use super::{Kind, BLOCK};
+use deltafin_formats::WeightFormat;
+
+use crate::kernels::shape::{KernelShape, BLOCK};
 
 /// Formats with a NEON kernel.
-pub fn supports(kind: Kind) -> bool {
+pub fn supports(kind: WeightFormat) -> bool {
     matches!(
         kind,
-        Kind::F32 | Kind::Bf16 | Kind::Q8 { .. } | Kind::Int4 { .. } | Kind::Mxfp4 { .. }
+        WeightFormat::F32
+            | WeightFormat::Bf16
+            | WeightFormat::Q8 { .. }
+            | WeightFormat::Int4 { .. }
+            | WeightFormat::Mxfp4 { .. }
     )
 }
 
@@ -28,12 +34,12 @@ unsafe fn i8x8_to_f32(v: int8x8_t) -> (float32x4_t, float32x4_t) {
 ///
 /// # Safety
 /// NEON available; `kind.simd_shape(cols)` and `supports(kind)`; `row.len() ==
-/// kind.row_bytes(cols)`, `scales.len() >= cols.div_ceil(kind.group(cols))`, `x.len() >= n * cols`,
+/// kind.row_len(cols)`, `scales.len() >= cols.div_ceil(kind.group(cols))`, `x.len() >= n * cols`,
 /// `out.len() >= n`.
 #[target_feature(enable = "neon")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn row_f32(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
     x: &[f32],
@@ -45,7 +51,7 @@ pub unsafe fn row_f32(
     let p = row.as_ptr();
     let (int4_lut, mx_lut): ([i8; 16], [i8; 16]) = (
         [-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7],
-        super::scalar::MXFP4_X2,
+        crate::kernels::scalar::MXFP4_X2,
     );
     for (t, o) in out[..n].iter_mut().enumerate() {
         let xp = x[t * cols..].as_ptr();
@@ -53,7 +59,7 @@ pub unsafe fn row_f32(
         let mut c = 0usize;
         for &s in &scales[..cols.div_ceil(group)] {
             let smul = match kind {
-                Kind::Mxfp4 { .. } => s * 0.5,
+                WeightFormat::Mxfp4 { .. } => s * 0.5,
                 _ => s,
             };
             let end = (c + group).min(cols);
@@ -63,26 +69,28 @@ pub unsafe fn row_f32(
                 unsafe {
                     let mut w = [vdupq_n_f32(0.0); 8];
                     match kind {
-                        Kind::F32 => {
+                        WeightFormat::F32 => {
                             let q = p.add(4 * c) as *const f32;
                             for (j, w) in w.iter_mut().enumerate() {
                                 *w = vld1q_f32(q.add(4 * j));
                             }
                         }
-                        Kind::Bf16 => {
+                        WeightFormat::Bf16 => {
                             let q = p.add(2 * c) as *const u16;
                             for (j, w) in w.iter_mut().enumerate() {
                                 *w = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(q.add(4 * j)), 16));
                             }
                         }
-                        Kind::Q8 { .. } | Kind::Int4 { .. } | Kind::Mxfp4 { .. } => {
+                        WeightFormat::Q8 { .. }
+                        | WeightFormat::Int4 { .. }
+                        | WeightFormat::Mxfp4 { .. } => {
                             let codes: int8x16x2_t = match kind {
-                                Kind::Q8 { .. } => {
+                                WeightFormat::Q8 { .. } => {
                                     let q = p.add(c) as *const i8;
                                     int8x16x2_t(vld1q_s8(q), vld1q_s8(q.add(16)))
                                 }
                                 _ => {
-                                    let lut = if matches!(kind, Kind::Int4 { .. }) {
+                                    let lut = if matches!(kind, WeightFormat::Int4 { .. }) {
                                         vld1q_s8(int4_lut.as_ptr())
                                     } else {
                                         vld1q_s8(mx_lut.as_ptr())

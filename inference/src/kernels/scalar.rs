@@ -2,9 +2,11 @@
 //! (testdata/fixtures/README.md), then take f32 dot products. The SIMD kernels are tested
 //! against these, and these against plain f32 math.
 
-use super::{Kind, BLOCK};
+use deltafin_formats::WeightFormat;
 
-pub use deltafin_storage::formats::{fp8_e4m3_to_f32, MXFP4_LUT};
+use crate::kernels::shape::BLOCK;
+
+pub use deltafin_formats::codec::{bf16_to_f32, fp8_e4m3_to_f32, MXFP4_LUT};
 
 fn fp8_lut() -> &'static [f32; 256] {
     static LUT: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
@@ -20,31 +22,28 @@ fn fp8_lut() -> &'static [f32; 256] {
 /// E2M1 nibble -> twice its value, as an integer (the integer kernels' codes).
 pub const MXFP4_X2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
-#[inline]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
-
 /// Decode one row (`row` = its bytes, `scales` = its f32 scales) into `out[..cols]`.
-pub fn decode_row(kind: Kind, row: &[u8], scales: &[f32], cols: usize, out: &mut [f32]) {
+pub fn decode_row(kind: WeightFormat, row: &[u8], scales: &[f32], cols: usize, out: &mut [f32]) {
     let out = &mut out[..cols];
     match kind {
-        Kind::F32 => {
+        WeightFormat::F32 => {
             for (o, b) in out.iter_mut().zip(row.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
-        Kind::Bf16 => {
+        WeightFormat::Bf16 => {
             for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
                 *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
             }
         }
-        Kind::F16 => {
+        WeightFormat::F16 => {
             for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
                 *o = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
             }
         }
-        Kind::Fp8 { block } => {
+        WeightFormat::Fp8Block {
+            block_cols: block, ..
+        } => {
             let lut = fp8_lut();
             for ((o, w), &s) in out.chunks_mut(block).zip(row.chunks(block)).zip(scales) {
                 for (o, &w) in o.iter_mut().zip(w) {
@@ -52,7 +51,7 @@ pub fn decode_row(kind: Kind, row: &[u8], scales: &[f32], cols: usize, out: &mut
                 }
             }
         }
-        Kind::Int4 { group } => {
+        WeightFormat::Int4 { group } => {
             for (w, o) in row.chunks_exact(4).zip(out.chunks_mut(8)) {
                 let word = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
                 for (k, o) in o.iter_mut().enumerate() {
@@ -61,7 +60,7 @@ pub fn decode_row(kind: Kind, row: &[u8], scales: &[f32], cols: usize, out: &mut
             }
             scale_groups(out, group, scales);
         }
-        Kind::Mxfp4 { group } => {
+        WeightFormat::Mxfp4 { group } => {
             for (&b, o) in row.iter().zip(out.chunks_mut(2)) {
                 o[0] = MXFP4_LUT[(b & 0xf) as usize];
                 if let Some(hi) = o.get_mut(1) {
@@ -70,7 +69,7 @@ pub fn decode_row(kind: Kind, row: &[u8], scales: &[f32], cols: usize, out: &mut
             }
             scale_groups(out, group, scales);
         }
-        Kind::Q8 { group } => {
+        WeightFormat::Q8 { group } => {
             for (o, &b) in out.iter_mut().zip(row) {
                 *o = b as i8 as f32;
             }
@@ -108,7 +107,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// `out[t] = dot(decode(row), x[t*cols..])` for `t < n`.
 pub fn row_f32(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
     x: &[f32],
@@ -133,15 +132,15 @@ pub fn row_f32(
 /// [`super::quantize_inputs`] stores the inputs for `kind`, and the code-to-value factor that
 /// the block's f32 scale and the input scale leave out (none: MXFP4's halving is in the input
 /// scale).
-fn block_codes(kind: Kind, row: &[u8], c: usize) -> [i32; BLOCK] {
+fn block_codes(kind: WeightFormat, row: &[u8], c: usize) -> [i32; BLOCK] {
     let mut w = [0i32; BLOCK];
     match kind {
-        Kind::Int4 { .. } | Kind::Mxfp4 { .. } => {
+        WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. } => {
             let bytes = &row[c / 2..c / 2 + BLOCK / 2];
             for (i, &b) in bytes.iter().enumerate() {
                 let (lo, hi) = ((b & 0xf) as usize, (b >> 4) as usize);
                 let (lo, hi) = match kind {
-                    Kind::Int4 { .. } => (lo as i32 - 8, hi as i32 - 8),
+                    WeightFormat::Int4 { .. } => (lo as i32 - 8, hi as i32 - 8),
                     _ => (MXFP4_X2[lo] as i32, MXFP4_X2[hi] as i32),
                 };
                 // Evens first, then odds.
@@ -149,7 +148,7 @@ fn block_codes(kind: Kind, row: &[u8], c: usize) -> [i32; BLOCK] {
                 w[16 + i] = hi;
             }
         }
-        Kind::Q8 { .. } => {
+        WeightFormat::Q8 { .. } => {
             for (o, &b) in w.iter_mut().zip(&row[c..c + BLOCK]) {
                 *o = b as i8 as i32;
             }
@@ -164,7 +163,7 @@ fn block_codes(kind: Kind, row: &[u8], c: usize) -> [i32; BLOCK] {
 /// `cols % 32 == 0` (the driver only quantizes then).
 #[allow(clippy::too_many_arguments)]
 pub fn row_i8(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
     q: &[i8],
@@ -189,17 +188,17 @@ pub fn row_i8(
 
 /// The integer code of element `c` of a row (INT4: nibble - 8; MXFP4: twice the e2m1 value;
 /// Q8: the byte).
-fn code_at(kind: Kind, row: &[u8], c: usize) -> i32 {
+fn code_at(kind: WeightFormat, row: &[u8], c: usize) -> i32 {
     match kind {
-        Kind::Int4 { .. } | Kind::Mxfp4 { .. } => {
+        WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. } => {
             let b = row[c / 2];
             let nib = if c.is_multiple_of(2) { b & 0xf } else { b >> 4 } as usize;
             match kind {
-                Kind::Int4 { .. } => nib as i32 - 8,
+                WeightFormat::Int4 { .. } => nib as i32 - 8,
                 _ => MXFP4_X2[nib] as i32,
             }
         }
-        Kind::Q8 { .. } => row[c] as i8 as i32,
+        WeightFormat::Q8 { .. } => row[c] as i8 as i32,
         _ => unreachable!("integer kernels only take INT4, MXFP4 and Q8"),
     }
 }
@@ -209,10 +208,10 @@ fn code_at(kind: Kind, row: &[u8], c: usize) -> i32 {
 /// exact integer arithmetic, summed in f32. Same shape rules as [`row_i8`].
 #[allow(clippy::too_many_arguments)]
 pub fn row_i16(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
-    x: &super::I16Inputs,
+    x: &crate::kernels::inputs::I16Inputs,
     cols: usize,
     n: usize,
     out: &mut [f32],
@@ -223,7 +222,7 @@ pub fn row_i16(
         for (t, o) in out[..n].iter_mut().enumerate() {
             let mut s = 0i32;
             for c in b * BLOCK..(b + 1) * BLOCK {
-                let at = t * cols + super::i16_slot(kind, cols, c);
+                let at = t * cols + crate::kernels::inputs::i16_slot(kind, cols, c);
                 s += code_at(kind, row, c) * (256 * x.hi[at] as i32 + x.lo[at] as i32);
             }
             *o += s as f32 * sw * x.d[t * blocks + b];

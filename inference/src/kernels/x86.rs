@@ -13,8 +13,10 @@
 
 use std::arch::x86_64::*;
 
-use super::scalar::MXFP4_X2;
-use super::{Kind, BLOCK};
+use crate::kernels::scalar::MXFP4_X2;
+use deltafin_formats::WeightFormat;
+
+use crate::kernels::shape::{KernelShape, BLOCK};
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -267,12 +269,12 @@ f32_tile!(f32_q8, rows_q8, true, |p, c| {
 /// f32-activation row kernel.
 ///
 /// # Safety
-/// AVX2, FMA and F16C available; `kind.simd_shape(cols)`; `row.len() == kind.row_bytes(cols)`,
+/// AVX2, FMA and F16C available; `kind.simd_shape(cols)`; `row.len() == kind.row_len(cols)`,
 /// `scales.len() >= cols.div_ceil(kind.group(cols))`, `x.len() >= n * cols`, `out.len() >= n`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn row_f32(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
     x: &[f32],
@@ -280,7 +282,7 @@ pub unsafe fn row_f32(
     n: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
     debug_assert!(x.len() >= n * cols && out.len() >= n);
     let group = kind.group(cols);
     debug_assert!(scales.len() >= cols.div_ceil(group));
@@ -303,13 +305,13 @@ pub unsafe fn row_f32(
             };
         }
         match kind {
-            Kind::F32 => go!(f32_f32, 1.0),
-            Kind::Bf16 => go!(f32_bf16, 1.0),
-            Kind::F16 => go!(f32_f16, 1.0),
-            Kind::Fp8 { .. } => go!(f32_fp8, 256.0),
-            Kind::Int4 { .. } => go!(f32_int4, 1.0),
-            Kind::Mxfp4 { .. } => go!(f32_mxfp4, 0.5),
-            Kind::Q8 { .. } => go!(f32_q8, 1.0),
+            WeightFormat::F32 => go!(f32_f32, 1.0),
+            WeightFormat::Bf16 => go!(f32_bf16, 1.0),
+            WeightFormat::F16 => go!(f32_f16, 1.0),
+            WeightFormat::Fp8Block { .. } => go!(f32_fp8, 256.0),
+            WeightFormat::Int4 { .. } => go!(f32_int4, 1.0),
+            WeightFormat::Mxfp4 { .. } => go!(f32_mxfp4, 0.5),
+            WeightFormat::Q8 { .. } => go!(f32_q8, 1.0),
         }
         t += take;
     }
@@ -321,14 +323,14 @@ pub unsafe fn row_f32(
 /// As for [`row_f32`] with `n == 1`, for each of the four rows and their scales; `out` holds 4.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn rows4_f32(
-    kind: Kind,
+    kind: WeightFormat,
     rows: [&[u8]; 4],
     scales: [&[f32]; 4],
     x: &[f32],
     cols: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_bytes(cols)));
+    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_len(cols)));
     debug_assert!(x.len() >= cols && out.len() >= 4);
     let group = kind.group(cols);
     debug_assert!(scales.iter().all(|s| s.len() >= cols.div_ceil(group)));
@@ -339,13 +341,13 @@ pub unsafe fn rows4_f32(
         };
     }
     match kind {
-        Kind::F32 => go!(rows_f32, 1.0),
-        Kind::Bf16 => go!(rows_bf16, 1.0),
-        Kind::F16 => go!(rows_f16, 1.0),
-        Kind::Fp8 { .. } => go!(rows_fp8, 256.0),
-        Kind::Int4 { .. } => go!(rows_int4, 1.0),
-        Kind::Mxfp4 { .. } => go!(rows_mxfp4, 0.5),
-        Kind::Q8 { .. } => go!(rows_q8, 1.0),
+        WeightFormat::F32 => go!(rows_f32, 1.0),
+        WeightFormat::Bf16 => go!(rows_bf16, 1.0),
+        WeightFormat::F16 => go!(rows_f16, 1.0),
+        WeightFormat::Fp8Block { .. } => go!(rows_fp8, 256.0),
+        WeightFormat::Int4 { .. } => go!(rows_int4, 1.0),
+        WeightFormat::Mxfp4 { .. } => go!(rows_mxfp4, 0.5),
+        WeightFormat::Q8 { .. } => go!(rows_q8, 1.0),
     }
 }
 
@@ -434,7 +436,7 @@ i8_tile!(i8_q8, |p, c| _mm256_loadu_si256(p.add(c) as *const __m256i));
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn row_i8(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
     q: &[i8],
@@ -443,7 +445,7 @@ pub unsafe fn row_i8(
     n: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
     debug_assert!(q.len() >= n * cols && d.len() * BLOCK >= n * cols && out.len() >= n);
     let blocks = cols / BLOCK;
     debug_assert!(scales.len() >= blocks);
@@ -478,9 +480,9 @@ pub unsafe fn row_i8(
                 };
             }
             match kind {
-                Kind::Int4 { .. } => go!(i8_int4),
-                Kind::Mxfp4 { .. } => go!(i8_mxfp4),
-                Kind::Q8 { .. } => go!(i8_q8),
+                WeightFormat::Int4 { .. } => go!(i8_int4),
+                WeightFormat::Mxfp4 { .. } => go!(i8_mxfp4),
+                WeightFormat::Q8 { .. } => go!(i8_q8),
                 _ => unreachable!("int8 kernels take INT4, MXFP4 and Q8 only"),
             }
             t += take;
@@ -488,7 +490,7 @@ pub unsafe fn row_i8(
     })
 }
 
-/// Codes of the 16-bit-activation path on AVX2, in the [`super::I16Inputs`] order.
+/// Codes of the 16-bit-activation path on AVX2, in the [`crate::kernels::inputs::I16Inputs`] order.
 trait PairCodes {
     /// What was added to every code to make it unsigned (0: codes stay signed, Q8).
     const OFFSET: i32;
@@ -839,21 +841,21 @@ i16_row_fn!(i16_row_vnni, "avx2,fma,f16c,avxvnni", VnniDot);
 ///
 /// # Safety
 /// AVX2, FMA and F16C available, and AVX-VNNI when `vnni`; `kind.simd_shape(cols)`;
-/// `row.len() == kind.row_bytes(cols)`, `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at
+/// `row.len() == kind.row_len(cols)`, `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at
 /// least `n * cols` codes and `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn row_i16(
     vnni: bool,
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
-    x: &super::I16Inputs,
+    x: &crate::kernels::inputs::I16Inputs,
     cols: usize,
     n: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
     let blocks = cols / BLOCK;
     debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols && out.len() >= n);
     debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks);
@@ -887,9 +889,9 @@ pub unsafe fn row_i16(
             };
         }
         match kind {
-            Kind::Int4 { .. } => go!(Int4Pairs),
-            Kind::Mxfp4 { .. } => go!(Mxfp4Pairs),
-            Kind::Q8 { .. } => go!(Q8Pairs),
+            WeightFormat::Int4 { .. } => go!(Int4Pairs),
+            WeightFormat::Mxfp4 { .. } => go!(Mxfp4Pairs),
+            WeightFormat::Q8 { .. } => go!(Q8Pairs),
             _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
         }
         t += k;
@@ -935,7 +937,7 @@ pub unsafe fn f16_to_f32(bytes: &[u8], out: &mut [f32]) {
 pub unsafe fn quantize_block_i16(
     xb: &[f32],
     extra: f32,
-    runs: &super::BlockRuns,
+    runs: &crate::kernels::inputs::BlockRuns,
     base: usize,
     hi: &mut [i8],
     lo: &mut [i8],
@@ -960,7 +962,7 @@ pub unsafe fn quantize_block_i16(
     );
     // With a NaN in the block the portable `fold(0, max)` decides (it skips NaNs).
     let amax = if _mm256_movemask_ps(unord) != 0 {
-        super::block_amax(xb)
+        crate::kernels::inputs::block_amax(xb)
     } else {
         let abs = |x: __m256| _mm256_andnot_ps(_mm256_set1_ps(-0.0), x);
         let m = _mm256_max_ps(
@@ -973,7 +975,7 @@ pub unsafe fn quantize_block_i16(
         _mm_cvtss_f32(m)
     };
     let s = amax / 127.0;
-    let (inv, inv_lo) = super::i16_inverses(s);
+    let (inv, inv_lo) = crate::kernels::inputs::i16_inverses(s);
     let (vs, vinv, vinv_lo) = (
         _mm256_set1_ps(s),
         _mm256_set1_ps(inv),
@@ -1041,5 +1043,5 @@ pub unsafe fn quantize_block_i16(
             );
         }
     }
-    Some(super::i16_block_scales(s, extra, sum))
+    Some(crate::kernels::inputs::i16_block_scales(s, extra, sum))
 }

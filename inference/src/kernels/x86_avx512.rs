@@ -18,13 +18,18 @@
 
 use std::arch::x86_64::*;
 
-use super::scalar::MXFP4_X2;
-use super::{I16Inputs, Kind, BLOCK};
-use crate::linear::ScaleType;
+use crate::kernels::scalar::MXFP4_X2;
+use deltafin_formats::{ScaleType, WeightFormat};
+
+use crate::kernels::inputs::I16Inputs;
+use crate::kernels::shape::{KernelShape, BLOCK};
 
 /// Whether [`row_f32`] / [`rows4_f32`] take `kind` (the others run the AVX2 kernels).
-pub fn supports_f32(kind: Kind) -> bool {
-    matches!(kind, Kind::F32 | Kind::F16 | Kind::Bf16 | Kind::Fp8 { .. })
+pub fn supports_f32(kind: WeightFormat) -> bool {
+    matches!(
+        kind,
+        WeightFormat::F32 | WeightFormat::F16 | WeightFormat::Bf16 | WeightFormat::Fp8Block { .. }
+    )
 }
 
 /// f32-activation kernels: `out[t] = sum_c w[c] * x[t*cols + c]`.
@@ -208,12 +213,12 @@ f32_tile!(f32_fp8, rows_fp8, true, |p, c| {
 ///
 /// # Safety
 /// AVX-512 F/BW/VL, AVX2, FMA and F16C available; `supports_f32(kind)`;
-/// `kind.simd_shape(cols)`; `row.len() == kind.row_bytes(cols)`,
+/// `kind.simd_shape(cols)`; `row.len() == kind.row_len(cols)`,
 /// `scales.len() >= cols.div_ceil(kind.group(cols))`, `x.len() >= n * cols`, `out.len() >= n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn row_f32(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: &[f32],
     x: &[f32],
@@ -221,7 +226,7 @@ pub unsafe fn row_f32(
     n: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
     debug_assert!(x.len() >= n * cols && out.len() >= n);
     let group = kind.group(cols);
     debug_assert!(scales.len() >= cols.div_ceil(group));
@@ -244,10 +249,10 @@ pub unsafe fn row_f32(
             };
         }
         match kind {
-            Kind::F32 => go!(f32_f32, 1.0),
-            Kind::Bf16 => go!(f32_bf16, 1.0),
-            Kind::F16 => go!(f32_f16, 1.0),
-            Kind::Fp8 { .. } => go!(f32_fp8, 256.0),
+            WeightFormat::F32 => go!(f32_f32, 1.0),
+            WeightFormat::Bf16 => go!(f32_bf16, 1.0),
+            WeightFormat::F16 => go!(f32_f16, 1.0),
+            WeightFormat::Fp8Block { .. } => go!(f32_fp8, 256.0),
             _ => unreachable!("AVX-512 f32 kernels take F32, F16, BF16 and FP8 only"),
         }
         t += take;
@@ -260,14 +265,14 @@ pub unsafe fn row_f32(
 /// As for [`row_f32`] with `n == 1`, for each of the four rows and their scales; `out` holds 4.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 pub unsafe fn rows4_f32(
-    kind: Kind,
+    kind: WeightFormat,
     rows: [&[u8]; 4],
     scales: [&[f32]; 4],
     x: &[f32],
     cols: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_bytes(cols)));
+    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_len(cols)));
     debug_assert!(x.len() >= cols && out.len() >= 4);
     let group = kind.group(cols);
     debug_assert!(scales.iter().all(|s| s.len() >= cols.div_ceil(group)));
@@ -278,10 +283,10 @@ pub unsafe fn rows4_f32(
         };
     }
     match kind {
-        Kind::F32 => go!(rows_f32, 1.0),
-        Kind::Bf16 => go!(rows_bf16, 1.0),
-        Kind::F16 => go!(rows_f16, 1.0),
-        Kind::Fp8 { .. } => go!(rows_fp8, 256.0),
+        WeightFormat::F32 => go!(rows_f32, 1.0),
+        WeightFormat::Bf16 => go!(rows_bf16, 1.0),
+        WeightFormat::F16 => go!(rows_f16, 1.0),
+        WeightFormat::Fp8Block { .. } => go!(rows_fp8, 256.0),
         _ => unreachable!("AVX-512 f32 kernels take F32, F16, BF16 and FP8 only"),
     }
 }
@@ -882,11 +887,11 @@ unsafe fn tile_with_scales<C: Codes, const R: usize, const N: usize>(
 ///
 /// # Safety
 /// AVX-512 F/BW/VL/VNNI, AVX2 and FMA available; `kind.simd_shape(cols)`;
-/// `row.len() == kind.row_bytes(cols)`, `scales` holds `cols / 32` block scales; `x.hi`/`x.lo`
+/// `row.len() == kind.row_len(cols)`, `scales` holds `cols / 32` block scales; `x.hi`/`x.lo`
 /// hold at least `n * cols` codes and `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub unsafe fn row_i16(
-    kind: Kind,
+    kind: WeightFormat,
     row: &[u8],
     scales: BlockScales<'_>,
     x: &I16Inputs,
@@ -894,7 +899,7 @@ pub unsafe fn row_i16(
     n: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_bytes(cols));
+    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
     let blocks = cols / BLOCK;
     debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols);
     debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks && out.len() >= n);
@@ -919,9 +924,9 @@ pub unsafe fn row_i16(
             };
         }
         match kind {
-            Kind::Int4 { .. } => go!(Int4Codes),
-            Kind::Mxfp4 { .. } => go!(Mxfp4Codes),
-            Kind::Q8 { .. } => go!(Q8Codes),
+            WeightFormat::Int4 { .. } => go!(Int4Codes),
+            WeightFormat::Mxfp4 { .. } => go!(Mxfp4Codes),
+            WeightFormat::Q8 { .. } => go!(Q8Codes),
             _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
         }
         t += k;
@@ -935,14 +940,14 @@ pub unsafe fn row_i16(
 /// variant and type); `out` holds `R`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub unsafe fn rows_i16<const R: usize>(
-    kind: Kind,
+    kind: WeightFormat,
     rows: [&[u8]; R],
     scales: [BlockScales<'_>; R],
     x: &I16Inputs,
     cols: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_bytes(cols)));
+    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_len(cols)));
     let blocks = cols / BLOCK;
     debug_assert!(x.hi.len() >= cols && x.lo.len() >= cols && out.len() >= R);
     debug_assert!(scales.iter().all(|s| s.holds(blocks)));
@@ -954,9 +959,9 @@ pub unsafe fn rows_i16<const R: usize>(
         };
     }
     match kind {
-        Kind::Int4 { .. } => go!(Int4Codes),
-        Kind::Mxfp4 { .. } => go!(Mxfp4Codes),
-        Kind::Q8 { .. } => go!(Q8Codes),
+        WeightFormat::Int4 { .. } => go!(Int4Codes),
+        WeightFormat::Mxfp4 { .. } => go!(Mxfp4Codes),
+        WeightFormat::Q8 { .. } => go!(Q8Codes),
         _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
     }
 }
@@ -983,7 +988,7 @@ pub unsafe fn e8m0_to_f32(bytes: &[u8], out: &mut [f32]) {
         i += 16;
     }
     for (o, &e) in out[i..].iter_mut().zip(&bytes[i..]) {
-        *o = f32::from_bits(super::e8m0_bits(e));
+        *o = f32::from_bits(deltafin_formats::codec::e8m0_bits(e));
     }
 }
 
@@ -1020,7 +1025,7 @@ pub unsafe fn bf16_to_f32(bytes: &[u8], out: &mut [f32]) {
 pub unsafe fn quantize_block_i16(
     xb: &[f32],
     extra: f32,
-    runs: &super::BlockRuns,
+    runs: &crate::kernels::inputs::BlockRuns,
     base: usize,
     hi: &mut [i8],
     lo: &mut [i8],
@@ -1036,12 +1041,12 @@ pub unsafe fn quantize_block_i16(
     // With a NaN in the block the portable `fold(0, max)` (which skips NaNs) decides: a
     // vector max would keep or drop a NaN depending on its lane.
     let amax = if _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v0, v1) != 0 {
-        super::block_amax(xb)
+        crate::kernels::inputs::block_amax(xb)
     } else {
         _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)))
     };
     let s = amax / 127.0;
-    let (inv, inv_lo) = super::i16_inverses(s);
+    let (inv, inv_lo) = crate::kernels::inputs::i16_inverses(s);
     let (vs, vinv, vinv_lo) = (
         _mm512_set1_ps(s),
         _mm512_set1_ps(inv),
@@ -1083,5 +1088,5 @@ pub unsafe fn quantize_block_i16(
             _mm_storeu_si128(out.as_mut_ptr().add(base + runs.run_b) as *mut __m128i, b);
         }
     }
-    super::i16_block_scales(s, extra, sum)
+    crate::kernels::inputs::i16_block_scales(s, extra, sum)
 }

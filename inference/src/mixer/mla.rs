@@ -18,7 +18,8 @@ use rayon::prelude::*;
 
 use super::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::error::Result;
-use crate::linear::{dot, Linear};
+use crate::kernels::scalar::dot;
+use crate::linear::Linear;
 use crate::ops::RmsNorm;
 use crate::rope::Rope;
 

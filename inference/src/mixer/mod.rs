@@ -57,6 +57,17 @@ pub trait TokenMixer: Send + Sync + std::fmt::Debug {
     /// Position `i` attends causally to every earlier position and itself.
     fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>>;
 
+    /// Bytes of per-sequence state each position adds (a KV cache's row).
+    fn state_bytes_per_position(&self) -> usize {
+        self.state_widths()
+            .map_or(0, |w| w.iter().sum::<usize>() * std::mem::size_of::<f32>())
+    }
+
+    /// Bytes of per-sequence state that do not grow with the context (a recurrent state).
+    fn fixed_state_bytes(&self) -> usize {
+        0
+    }
+
     /// Snapshot hook: floats per position of each array of this mixer's state, in
     /// [`MixerState::export_arrays`] order. `None`: the state cannot be saved.
     fn state_widths(&self) -> Option<Vec<usize>> {

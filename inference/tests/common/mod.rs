@@ -103,3 +103,26 @@ pub fn argmax(v: &[f32]) -> usize {
     }
     best
 }
+
+/// A BF16 synthetic checkpoint of `arch` at the `tiny` preset (with `--set` overrides `sets`)
+/// in `dir`, as `deltafin synth` writes it.
+pub fn synth_preset(dir: &Path, arch: &str, seed: u64, sets: &[&str]) {
+    use deltafin_inference::synth::presets::{apply_overrides, preset_config};
+    use deltafin_inference::synth::{write_synth, SynthFormat};
+    let mut cfg = preset_config(arch, "tiny").unwrap();
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    apply_overrides(&mut cfg, &sets).unwrap();
+    let opts = deltafin_storage::checkpoint_writer::WriteOptions {
+        seed,
+        shard_bytes: 1 << 30,
+        force: false,
+    };
+    write_synth(
+        dir,
+        &cfg,
+        SynthFormat::Bf16,
+        &opts,
+        &deltafin_storage::layout::NoProgress,
+    )
+    .unwrap();
+}

@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
+use deltafin_formats::Dtype;
 use deltafin_storage::checkpoint::Checkpoint;
-use deltafin_storage::safetensors::Dtype;
 use serde_json::Value;
 
 struct W {

@@ -1,0 +1,36 @@
+//! The [`FeedForward`] trait: the channel-mixing module of a decoder layer, and its per-call
+//! context.
+
+use crate::error::Result;
+use crate::ffn::router::Routing;
+use crate::weights::WeightSource;
+
+/// Per-call context of a feed-forward module.
+pub struct FfnContext<'a> {
+    pub source: &'a dyn WeightSource,
+    /// Decoder layer index (names the experts to fetch).
+    pub layer: usize,
+    /// When set, MoE layers push each position's routing here.
+    pub routing: Option<&'a mut Vec<Routing>>,
+}
+
+impl std::fmt::Debug for FfnContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FfnContext")
+            .field("layer", &self.layer)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The channel-mixing module of a decoder layer.
+pub trait FeedForward: Send + Sync + std::fmt::Debug {
+    /// `x [n, hidden] -> [n, hidden]`.
+    fn forward(&self, x: &[f32], n: usize, ctx: &mut FfnContext<'_>) -> Result<Vec<f32>>;
+
+    /// The routed experts this module would request for input `x [n, hidden]` (already
+    /// normed), deduplicated, likeliest first; `None` when it routes nothing. Used to prefetch a
+    /// layer's experts from an earlier hidden state.
+    fn predict_experts(&self, _x: &[f32], _n: usize) -> Option<Vec<usize>> {
+        None
+    }
+}

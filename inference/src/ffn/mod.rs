@@ -1,0 +1,23 @@
+//! Feed-forward modules: dense gated MLPs and routed Mixture-of-Experts, with pluggable routers.
+//!
+//! ```text
+//! DenseMlp:  down(act(gate(x), up(x)))                               [n, hidden]
+//! MoE:       sum_k w_k * expert_{e_k}(x) (+ shared_experts(x))       [n, hidden]
+//! ```
+//! Routed experts are not held by the model: [`MoeFfn`] asks the [`WeightSource`] for the experts
+//! the router chose and computes each one as soon as the source hands it over.
+//!
+//! Files: [`dense`] ([`DenseMlp`]), [`router`] (routers and [`Routing`]), [`experts`] (one
+//! routed expert from its record, matrices resolved once per layer), [`moe`] ([`MoeFfn`]).
+
+pub mod dense;
+pub mod experts;
+pub mod feed_forward;
+pub mod moe;
+pub mod router;
+
+pub use dense::DenseMlp;
+pub use experts::{ExpertMatrixNames, RoutedExperts};
+pub use feed_forward::{FeedForward, FfnContext};
+pub use moe::MoeFfn;
+pub use router::{top_k_indices, NoauxTcRouter, Router, Routing, SoftmaxTopKRouter};

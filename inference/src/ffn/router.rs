@@ -1,0 +1,172 @@
+//! Routers: which experts each position goes to, with their combine weights.
+
+use crate::linear::owned::Linear;
+use crate::ops::{sigmoid, softmax_inplace};
+
+/// The experts one position is routed to, in selection order, with their combine weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+/// Chooses experts per position.
+pub trait Router: Send + Sync + std::fmt::Debug {
+    /// `x [n, hidden]` -> one [`Routing`] per position.
+    fn route(&self, x: &[f32], n: usize) -> Vec<Routing>;
+    fn num_experts(&self) -> usize;
+}
+
+/// Indices of the `k` largest values, largest first (ties: lower index first).
+pub fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| values[b].total_cmp(&values[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// DeepSeek-V3 `noaux_tc`: sigmoid scores, bias-corrected group-limited selection, weights from
+/// the unbiased scores.
+#[derive(Debug, Clone)]
+pub struct NoauxTcRouter {
+    /// `[E, hidden]`
+    pub gate: Linear,
+    /// `e_score_correction_bias` `[E]` (selection only).
+    pub bias: Vec<f32>,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f32,
+}
+
+impl NoauxTcRouter {
+    /// Route one position given its gate logits.
+    pub fn route_logits(&self, logits: &[f32]) -> Routing {
+        let e = logits.len();
+        let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+        let choice: Vec<f32> = scores.iter().zip(&self.bias).map(|(s, b)| s + b).collect();
+        let per_group = e / self.n_group;
+        let group_scores: Vec<f32> = (0..self.n_group)
+            .map(|g| {
+                let grp = &choice[g * per_group..(g + 1) * per_group];
+                top_k_indices(grp, 2).iter().map(|&i| grp[i]).sum()
+            })
+            .collect();
+        let keep = top_k_indices(&group_scores, self.topk_group);
+        // Experts of dropped groups score 0 (transformers' masked_fill(~mask, 0.0)).
+        let masked: Vec<f32> = (0..e)
+            .map(|i| {
+                if keep.contains(&(i / per_group)) {
+                    choice[i]
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let experts = top_k_indices(&masked, self.top_k);
+        let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
+        if self.norm_topk_prob {
+            let denom = weights.iter().sum::<f32>() + 1e-20;
+            weights.iter_mut().for_each(|w| *w /= denom);
+        }
+        weights
+            .iter_mut()
+            .for_each(|w| *w *= self.routed_scaling_factor);
+        Routing { experts, weights }
+    }
+}
+
+impl Router for NoauxTcRouter {
+    fn route(&self, x: &[f32], n: usize) -> Vec<Routing> {
+        let e = self.gate.rows();
+        let logits = self.gate.forward(x, n);
+        logits.chunks(e).map(|l| self.route_logits(l)).collect()
+    }
+    fn num_experts(&self) -> usize {
+        self.gate.rows()
+    }
+}
+
+/// Softmax over all experts, top-k, optional renormalisation (Qwen3-MoE).
+#[derive(Debug, Clone)]
+pub struct SoftmaxTopKRouter {
+    /// `[E, hidden]`
+    pub gate: Linear,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+}
+
+impl Router for SoftmaxTopKRouter {
+    fn route(&self, x: &[f32], n: usize) -> Vec<Routing> {
+        let e = self.gate.rows();
+        let mut logits = self.gate.forward(x, n);
+        logits
+            .chunks_mut(e)
+            .map(|p| {
+                softmax_inplace(p);
+                let experts = top_k_indices(p, self.top_k);
+                let mut weights: Vec<f32> = experts.iter().map(|&i| p[i]).collect();
+                if self.norm_topk_prob {
+                    let s: f32 = weights.iter().sum();
+                    weights.iter_mut().for_each(|w| *w /= s);
+                }
+                Routing { experts, weights }
+            })
+            .collect()
+    }
+    fn num_experts(&self) -> usize {
+        self.gate.rows()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn router(n_group: usize, topk_group: usize, top_k: usize, bias: Vec<f32>) -> NoauxTcRouter {
+        NoauxTcRouter {
+            gate: Linear::from_f32(1, 1, &[0.0]).unwrap(),
+            bias,
+            n_group,
+            topk_group,
+            top_k,
+            norm_topk_prob: true,
+            routed_scaling_factor: 2.0,
+        }
+    }
+
+    #[test]
+    fn grouped_routing_limits_groups() {
+        // 8 experts, 4 groups of 2; group scores are sums of both members.
+        let logits = [3.0f32, -3.0, 2.0, 2.0, 0.5, 0.4, -1.0, 2.5];
+        let r = router(4, 2, 3, vec![0.0; 8]);
+        let out = r.route_logits(&logits);
+        // groups: g0 = s(3)+s(-3) ~ 1.0, g1 = 2*s(2) ~ 1.76, g2 ~ 1.22, g3 = s(-1)+s(2.5) ~ 1.19
+        // keep g1 and g2 -> experts 2, 3, 4 (expert 0 has the top score but its group is dropped)
+        let mut got = out.experts.clone();
+        got.sort();
+        assert_eq!(got, vec![2, 3, 4]);
+        let sum: f32 = out.weights.iter().sum();
+        assert!((sum - 2.0).abs() < 1e-5, "normalised then scaled by 2");
+    }
+
+    #[test]
+    fn bias_changes_selection_not_weights() {
+        let logits = [1.0f32, 0.9, 0.0, -1.0];
+        let r = router(1, 1, 1, vec![0.0, 0.5, 0.0, 0.0]);
+        let out = r.route_logits(&logits);
+        assert_eq!(out.experts, vec![1]);
+        assert!((out.weights[0] - 2.0).abs() < 1e-6);
+        let mut r = r;
+        r.norm_topk_prob = false;
+        let out = r.route_logits(&logits);
+        assert!((out.weights[0] - 2.0 * sigmoid(0.9)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_k_order() {
+        assert_eq!(top_k_indices(&[0.1, 0.5, 0.5, 0.2], 3), vec![1, 2, 3]);
+    }
+}

@@ -1,0 +1,337 @@
+//! Driving the kernels: split a matrix's rows into rayon tasks, prepare the inputs once per
+//! call, convert each task's scales once, and pick each row's kernel for the instruction set.
+
+use deltafin_formats::WeightFormat;
+use rayon::prelude::*;
+
+#[cfg(target_arch = "aarch64")]
+use crate::kernels::aarch64;
+use crate::kernels::inputs::Inputs;
+use crate::kernels::isa::{Act, Isa};
+use crate::kernels::quantize_inputs::{quantize_inputs, quantize_inputs_i16};
+use crate::kernels::scalar;
+use crate::kernels::scales::{group_scale_bytes, row_scales};
+use crate::kernels::shape::{prefetch_l2, KernelShape, BLOCK};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::{x86, x86_avx512};
+use crate::linear::matrix::WeightMatrix;
+
+/// One row against `n` inputs: `out[t] = dot(W[row], x[t])`.
+#[allow(clippy::too_many_arguments)]
+fn row_dot(
+    isa: Isa,
+    kind: WeightFormat,
+    row: &[u8],
+    scales: &[f32],
+    x: &Inputs<'_>,
+    cols: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let simd = isa != Isa::Scalar && kind.simd_shape(cols);
+    match x {
+        Inputs::F32(x) => {
+            if simd {
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx512 && x86_avx512::supports_f32(kind) {
+                    // SAFETY: `Isa::Avx512` is only selected when `available()` saw AVX-512
+                    // F/BW/VL/VNNI, AVX2, FMA and F16C; the slice lengths are the ones
+                    // `x86_avx512::row_f32` documents, checked by `matmul`.
+                    unsafe { x86_avx512::row_f32(kind, row, scales, x, cols, n, out) };
+                    return;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if isa.has_avx2() {
+                    // SAFETY: `Isa::Avx2`/`AvxVnni`/`Avx512` are only selected when
+                    // `available()` saw AVX2, FMA and F16C; `simd_shape` holds and the slices
+                    // have the lengths `x86::row_f32` documents (row = row_bytes(cols), scales
+                    // = cols/group, x = n*cols, out = n), all checked by `matmul`.
+                    unsafe { x86::row_f32(kind, row, scales, x, cols, n, out) };
+                    return;
+                }
+                #[cfg(target_arch = "aarch64")]
+                if isa == Isa::Neon && aarch64::supports(kind) {
+                    // SAFETY: `Isa::Neon` is only selected when NEON was detected; the lengths
+                    // are the ones `aarch64::row_f32` documents, checked by `matmul`.
+                    unsafe { aarch64::row_f32(kind, row, scales, x, cols, n, out) };
+                    return;
+                }
+            }
+            scalar::row_f32(kind, row, scales, x, cols, n, out)
+        }
+        Inputs::I8 { q, d } => {
+            #[cfg(target_arch = "x86_64")]
+            if simd && isa.has_avx2() {
+                // SAFETY: as above; `q` is `n*cols` and `d` is `n*cols/32`.
+                unsafe { x86::row_i8(kind, row, scales, q, d, cols, n, out) };
+                return;
+            }
+            scalar::row_i8(kind, row, scales, q, d, cols, n, out)
+        }
+        Inputs::I16(x) => {
+            #[cfg(target_arch = "x86_64")]
+            if simd && isa == Isa::Avx512 {
+                // SAFETY: as above; `x` holds `n*cols` codes per plane and `n*cols/32` scales
+                // and sums, checked by `matmul`.
+                unsafe {
+                    x86_avx512::row_i16(
+                        kind,
+                        row,
+                        x86_avx512::BlockScales::F32(scales),
+                        x,
+                        cols,
+                        n,
+                        out,
+                    )
+                };
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if simd && isa.has_avx2() {
+                // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; the slices are
+                // as for the AVX-512 kernel above.
+                unsafe { x86::row_i16(isa == Isa::AvxVnni, kind, row, scales, x, cols, n, out) };
+                return;
+            }
+            scalar::row_i16(kind, row, scales, x, cols, n, out)
+        }
+    }
+}
+
+/// `out[t, r] = dot(W[r], x[t])`: `x` is `[n, cols]`, `out` is `[n, rows]`, on the kernels the
+/// matrix was loaded with ([`WeightMatrix::kernels`]).
+pub fn matmul(m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
+    let k = m.kernels();
+    matmul_with(k.isa, m, x, n, out, k.act(m.format()))
+}
+
+/// Weight bytes per rayon task: large enough that task overhead (scale conversion, scheduling)
+/// stays small against streaming them from DRAM, small enough to balance two to a few dozen
+/// threads on a 2048-row expert matrix.
+const TASK_BYTES: usize = 256 << 10;
+
+/// [`matmul`] on a chosen instruction set (falls back to scalar if `isa` is unavailable).
+pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
+    matmul_many_with(isa, &[m], x, n, &mut [out], act)
+}
+
+/// Several matrices of the same format and width against the same inputs, in one parallel
+/// pass: the inputs are quantized once and every matrix's row blocks are tasks of the same
+/// pass (a SwiGLU's gate and up projections: one quantization and one hand-out to the
+/// threads instead of two). `outs[i]` is `[n, mats[i].rows()]`; each output is bit-identical
+/// to [`matmul_with`] on that matrix alone. Matrices of different formats or widths run one
+/// after another.
+pub fn matmul_many_with(
+    isa: Isa,
+    mats: &[&WeightMatrix<'_>],
+    x: &[f32],
+    n: usize,
+    outs: &mut [&mut [f32]],
+    act: Act,
+) {
+    assert_eq!(mats.len(), outs.len(), "one output per matrix");
+    let Some(first) = mats.first() else {
+        return;
+    };
+    let (kind, cols) = (first.format(), first.cols());
+    if mats.iter().any(|m| m.format() != kind || m.cols() != cols) {
+        for (m, out) in mats.iter().zip(outs.iter_mut()) {
+            matmul_many_with(isa, &[m], x, n, &mut [&mut **out], act);
+        }
+        return;
+    }
+    assert_eq!(x.len(), n * cols, "matmul input length");
+    for (m, out) in mats.iter().zip(outs.iter()) {
+        assert_eq!(out.len(), n * m.rows(), "matmul output length");
+    }
+    if n == 0 {
+        return;
+    }
+    let isa = if isa.available() { isa } else { Isa::Scalar };
+    let integer_ok = kind.integer() && kind.simd_shape(cols);
+    let xin = match act {
+        Act::I8 if integer_ok => quantize_inputs(kind, x, cols),
+        Act::I16 if integer_ok => Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)),
+        _ => Inputs::F32(x),
+    };
+    let rb = kind.row_len(cols);
+    let block = (TASK_BYTES / rb.max(1)).clamp(1, 1024);
+    let task = |m: &WeightMatrix<'_>, bi: usize, o: &mut [f32]| {
+        rows_task(isa, m, kind, &xin, n, block, bi, o)
+    };
+    // Every matrix's row blocks (`chunk` output values each) as tasks of one parallel pass.
+    let run_all = |bufs: &mut [&mut [f32]], chunk: usize| {
+        let tasks: Vec<(usize, usize, &mut [f32])> = bufs
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(i, buf)| {
+                buf.chunks_mut(chunk)
+                    .enumerate()
+                    .map(move |(bi, o)| (i, bi, o))
+            })
+            .collect();
+        tasks
+            .into_par_iter()
+            .for_each(|(i, bi, o)| task(mats[i], bi, o));
+    };
+    if n == 1 {
+        run_all(outs, block);
+        return;
+    }
+    // Transposed scratch [rows, n] per matrix so that each task writes a contiguous range.
+    let mut tmps: Vec<Vec<f32>> = mats.iter().map(|m| vec![0f32; m.rows() * n]).collect();
+    run_all(
+        &mut tmps
+            .iter_mut()
+            .map(|t| t.as_mut_slice())
+            .collect::<Vec<_>>(),
+        block * n,
+    );
+    for ((m, tmp), out) in mats.iter().zip(&tmps).zip(outs.iter_mut()) {
+        let rows = m.rows();
+        for (r, trow) in tmp.chunks(n).enumerate() {
+            for (t, &v) in trow.iter().enumerate() {
+                out[t * rows + r] = v;
+            }
+        }
+    }
+}
+
+/// Rows `bi * block ..` of `m` (as many as `o` holds, `n` outputs each) against prepared
+/// inputs: one task of [`matmul_many_with`].
+#[allow(clippy::too_many_arguments)]
+fn rows_task(
+    isa: Isa,
+    m: &WeightMatrix<'_>,
+    kind: WeightFormat,
+    xin: &Inputs<'_>,
+    n: usize,
+    block: usize,
+    bi: usize,
+    o: &mut [f32],
+) {
+    let cols = m.cols();
+    let rb = kind.row_len(cols);
+    let data = m.data_bytes();
+    let r0 = bi * block;
+    let nr = o.len() / n;
+    let group = kind.group(cols);
+    let expand = !matches!(xin, Inputs::F32(_)) && group != BLOCK;
+    // Scales of the task's rows `a..b` as f32 into `buf`; the integer kernels take one
+    // scale per 32-block.
+    let scales_of = |a: usize, b: usize, buf: &mut Vec<f32>| {
+        row_scales(isa, m, r0 + a, r0 + b, buf);
+        if expand {
+            *buf = buf
+                .chunks(cols.div_ceil(group))
+                .flat_map(|g| (0..cols / BLOCK).map(move |b| g[b * BLOCK / group]))
+                .collect();
+        }
+    };
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut first = 0;
+    // Matrix-vector products with a long `x` (over half of a 32 KiB L1 data cache): four
+    // rows at a time share each load of `x` instead of re-reading it from L2 per row.
+    // With a short `x` the single-row tile (four accumulators) measured faster
+    // (benches/results/kernels_idle_rows4_all_shapes.json vs kernels_idle.json), except
+    // for FP8 on AVX-512, whose decode leaves fewer spare loads (22.3 vs 19.9 GiB/s at
+    // 7168x2048). The AVX-512 tiles prefetch the next tile's rows in software.
+    #[cfg(target_arch = "x86_64")]
+    if n == 1 && isa == Isa::Avx512 && kind.simd_shape(cols) && group == BLOCK {
+        if let Inputs::I16(xq) = xin {
+            // Eight rows at a time, then four, share each input load. The tiles read the
+            // matrix's scale bytes themselves: a separate conversion pass per task stalled
+            // on DRAM (6-14% of the INT4 / MXFP4 / Q8 matvec time, prefetching or not).
+            let st = m.scale_type();
+            let sb = group_scale_bytes(m, r0, r0 + nr);
+            let per_row = sb.len() / nr;
+            macro_rules! tile {
+                ($r:literal) => {
+                    while first + $r <= nr {
+                        let r = r0 + first;
+                        let rows: [&[u8]; $r] =
+                            std::array::from_fn(|k| &data[(r + k) * rb..(r + k + 1) * rb]);
+                        let sc: [x86_avx512::BlockScales<'_>; $r] = std::array::from_fn(|k| {
+                            let i = first + k;
+                            x86_avx512::BlockScales::Raw(&sb[i * per_row..(i + 1) * per_row], st)
+                        });
+                        // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA
+                        // were detected; `simd_shape` holds; each row is `row_bytes(cols)`
+                        // long, each scale slice holds the row's `cols / 32` block scales
+                        // (group 32) in the matrix's type, `xq` one input of `cols`,
+                        // `o[first..first + R]` the outputs.
+                        unsafe {
+                            x86_avx512::rows_i16::<$r>(
+                                kind,
+                                rows,
+                                sc,
+                                xq,
+                                cols,
+                                &mut o[first..first + $r],
+                            )
+                        };
+                        first += $r;
+                    }
+                };
+            }
+            tile!(8);
+            tile!(4);
+        }
+    }
+    // The other rows' scales as f32: `scales[(i - s0) * per_row..]` for task row `i`.
+    let s0 = first;
+    let mut scales = Vec::new();
+    scales_of(s0, nr, &mut scales);
+    if s0 == 0 {
+        // One conversion pass for the task: ask for the next task's scales now, or that
+        // pass stalls on DRAM, too short for the hardware prefetcher to ramp up.
+        prefetch_l2(group_scale_bytes(m, r0 + nr, r0 + 2 * nr));
+    }
+    let per_row = scales.len() / (nr - s0).max(1);
+    #[cfg(target_arch = "x86_64")]
+    if n == 1
+        && (cols * 4 > 16 << 10
+            || (isa == Isa::Avx512 && matches!(kind, WeightFormat::Fp8Block { .. })))
+        && isa.has_avx2()
+        && kind.simd_shape(cols)
+    {
+        if let Inputs::F32(xf) = xin {
+            while first + 4 <= nr {
+                let r = r0 + first;
+                let row = |k: usize| &data[(r + k) * rb..(r + k + 1) * rb];
+                let sc = |k: usize| {
+                    let i = first + k - s0;
+                    &scales[i * per_row..(i + 1) * per_row]
+                };
+                let rows4 = [row(0), row(1), row(2), row(3)];
+                let sc4 = [sc(0), sc(1), sc(2), sc(3)];
+                let o4 = &mut o[first..first + 4];
+                if isa == Isa::Avx512 && x86_avx512::supports_f32(kind) {
+                    // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2, FMA and
+                    // F16C were detected; the slices are as for `x86::rows4_f32` below.
+                    unsafe { x86_avx512::rows4_f32(kind, rows4, sc4, xf, cols, o4) };
+                } else {
+                    // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected;
+                    // `simd_shape` holds; each row is `row_bytes(cols)` long, each scale
+                    // slice covers the row's groups, `x` is `cols` long (n == 1, checked
+                    // by `matmul`) and `o4` holds the four outputs.
+                    unsafe { x86::rows4_f32(kind, rows4, sc4, xf, cols, o4) };
+                }
+                first += 4;
+            }
+        }
+    }
+    for (i, orow) in o.chunks_mut(n).enumerate().skip(first) {
+        let r = r0 + i;
+        row_dot(
+            isa,
+            kind,
+            &data[r * rb..(r + 1) * rb],
+            &scales[(i - s0) * per_row..(i - s0 + 1) * per_row],
+            xin,
+            cols,
+            n,
+            orow,
+        );
+    }
+}

@@ -1,0 +1,131 @@
+//! The inputs of one kernel call, prepared once: f32 as given, or quantized per 32-value block
+//! to int8 ([`Inputs::I8`]) or 16 bits held as two int8 planes ([`I16Inputs`]), stored in the
+//! order each format's weights unpack in; and the per-block arithmetic every quantizer path
+//! shares so that they agree bit for bit.
+
+use deltafin_formats::WeightFormat;
+
+use crate::kernels::shape::BLOCK;
+
+/// Inputs prepared once per call.
+#[derive(Debug)]
+pub enum Inputs<'x> {
+    /// `[n, cols]` f32.
+    F32(&'x [f32]),
+    /// `[n, cols]` int8 with `[n, cols/32]` scales; for 4-bit formats every 32-block is stored
+    /// evens first then odds (the order the nibbles unpack in).
+    I8 { q: Vec<i8>, d: Vec<f32> },
+    /// `[n, cols]` 16-bit inputs, block order as for `I8`.
+    I16(I16Inputs),
+}
+
+/// Inputs quantized to 16 bits per 32-value block: `x ~ d[b] * (256 * hi + lo)`.
+///
+/// Element order inside each input row ([`i16_slot`]): each run of four blocks `4q..4q+4`
+/// (128 values) is stored as two halves of 64, each holding 16 values of every block in block
+/// order: for the 4-bit formats the evens then the odds (the order one 64-byte load of nibbles
+/// splits into), for Q8 the first 16 then the last 16 of each block. Blocks after the last
+/// whole run are stored one by one (4-bit: evens then odds; Q8: natural order).
+#[derive(Debug, Default)]
+pub struct I16Inputs {
+    /// `[n, cols]` high bytes (`round(x / (amax / 127))`).
+    pub hi: Vec<i8>,
+    /// `[n, cols]` low bytes: the remainder in 1/256 steps.
+    pub lo: Vec<i8>,
+    /// `[n, cols/32]` scales (of `256 * hi + lo`; halved for MXFP4's doubled codes).
+    pub d: Vec<f32>,
+    /// `[n, cols/32]` each block's input sum, `d * sum(256 * hi + lo)` (the kernels' offset
+    /// correction).
+    pub dsums: Vec<f32>,
+}
+
+/// Position of element `i` of a 32-block in the kernels' input order for `kind`.
+pub(crate) fn block_slot(kind: WeightFormat, i: usize) -> usize {
+    if matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. }) {
+        if i.is_multiple_of(2) {
+            i / 2
+        } else {
+            16 + i / 2
+        }
+    } else {
+        i
+    }
+}
+
+/// Position of element `i` (of a row of `cols`) in the [`I16Inputs`] order for `kind`.
+pub fn i16_slot(kind: WeightFormat, cols: usize, i: usize) -> usize {
+    let (b, e) = (i / BLOCK, i % BLOCK);
+    let quads = cols / BLOCK / 4;
+    match kind {
+        WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. } if b < quads * 4 => {
+            (b / 4) * 4 * BLOCK + (e % 2) * 64 + (b % 4) * 16 + e / 2
+        }
+        WeightFormat::Q8 { .. } if b < quads * 4 => {
+            (b / 4) * 4 * BLOCK + (e / 16) * 64 + (b % 4) * 16 + e % 16
+        }
+        _ => b * BLOCK + block_slot(kind, e),
+    }
+}
+
+/// Round to nearest (ties to even) for `|v| < 2^22`, in plain adds the compiler vectorizes:
+/// `f32::round` is a libm call on baseline x86_64, which costed more than the quantization.
+#[inline]
+pub(crate) fn round_small(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it leaves no fraction bits.
+    (v + MAGIC) - MAGIC
+}
+
+/// Where one 32-block's values go in the [`I16Inputs`] order: two runs of 16 slots, the first
+/// at the block's base slot, the second `run_b` further on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockRuns {
+    /// `src[k]`: the block element stored at run slot `k` (`k < 16`: run A, else run B).
+    pub src: [u8; BLOCK],
+    /// Offset of run B from run A.
+    pub run_b: usize,
+}
+
+impl BlockRuns {
+    /// The runs for a block whose element `e` goes to `rel[e]` slots after its element 0.
+    pub(crate) fn from_rel(rel: &[usize; BLOCK]) -> Self {
+        let run_b = rel.iter().copied().filter(|&r| r >= 16).min().unwrap_or(16);
+        let mut src = [0u8; BLOCK];
+        for (e, &r) in rel.iter().enumerate() {
+            let k = if r < 16 { r } else { 16 + r - run_b };
+            src[k] = e as u8;
+        }
+        debug_assert!(
+            (0..BLOCK).all(|k| {
+                let r = rel[src[k] as usize];
+                r == if k < 16 { k } else { run_b + k - 16 }
+            }),
+            "every block layout is two runs of 16 slots"
+        );
+        BlockRuns { src, run_b }
+    }
+}
+
+/// Largest `|v|` of a block, NaNs skipped (`max` ignores them): every quantizer's block
+/// maximum; the SIMD ones fall back to it for a block holding a NaN.
+#[inline]
+pub(crate) fn block_amax(xb: &[f32]) -> f32 {
+    xb.iter().fold(0f32, |m, v| m.max(v.abs()))
+}
+
+/// A 16-bit block's `(d, dsum)` from its high step `s = amax / 127` and the integer sum of
+/// `256 * hi + lo`: the same arithmetic on every path, so that they agree bit for bit.
+#[inline]
+pub(crate) fn i16_block_scales(s: f32, extra: f32, sum: i32) -> (f32, f32) {
+    let d = s / 256.0 * extra;
+    (d, d * sum as f32)
+}
+
+/// `(1 / s, 256 / s)`, or zeros for an all-zero block.
+#[inline]
+pub(crate) fn i16_inverses(s: f32) -> (f32, f32) {
+    if s > 0.0 {
+        (1.0 / s, 256.0 / s)
+    } else {
+        (0.0, 0.0)
+    }
+}

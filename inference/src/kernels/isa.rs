@@ -1,0 +1,196 @@
+//! Instruction sets the kernels dispatch to, detected at run time, and the [`KernelConfig`] a
+//! model is loaded with.
+
+use std::sync::OnceLock;
+
+use deltafin_formats::WeightFormat;
+
+/// Instruction set used by the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust (the reference).
+    Scalar,
+    /// x86_64 AVX2 + FMA + F16C.
+    Avx2,
+    /// [`Isa::Avx2`] plus AVX-VNNI (Alder Lake and later, Zen 5): the AVX2 kernels with
+    /// `vpdpbusd` for the 16-bit-activation path.
+    AvxVnni,
+    /// x86_64 AVX-512 F/BW/VL/VNNI on top of [`Isa::Avx2`].
+    Avx512,
+    /// aarch64 Advanced SIMD.
+    Neon,
+}
+
+impl Isa {
+    /// Whether this machine can run `self`.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => Isa::Avx2.available() && is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The best instruction set this machine runs (no cap).
+    pub fn best() -> Isa {
+        [Isa::Avx512, Isa::AvxVnni, Isa::Avx2, Isa::Neon]
+            .into_iter()
+            .find(|i| i.available())
+            .unwrap_or(Isa::Scalar)
+    }
+
+    /// The best available instruction set no higher than `cap` (the x86 sets in the order
+    /// AVX2 < AVX-VNNI < AVX-512; `Scalar` caps everything).
+    pub fn capped(cap: Isa) -> Isa {
+        let rank = |i: Isa| match i {
+            Isa::Scalar => 0,
+            Isa::Avx2 => 1,
+            Isa::AvxVnni => 2,
+            Isa::Avx512 => 3,
+            Isa::Neon => 1,
+        };
+        [Isa::Avx512, Isa::AvxVnni, Isa::Avx2, Isa::Neon]
+            .into_iter()
+            .filter(|&i| cap != Isa::Scalar && rank(i) <= rank(cap))
+            .find(|i| i.available())
+            .unwrap_or(Isa::Scalar)
+    }
+
+    /// The instruction set [`KernelConfig::from_env`] picks: the best available, capped by
+    /// `DELTAFIN_KERNELS=scalar|avx2|avxvnni`.
+    pub fn detect() -> Isa {
+        KernelConfig::from_env().isa
+    }
+
+    /// Parse `scalar`, `avx2`, `avxvnni`, `avx512` or `neon`.
+    pub fn parse(s: &str) -> Option<Isa> {
+        Some(match s {
+            "scalar" => Isa::Scalar,
+            "avx2" => Isa::Avx2,
+            "avxvnni" => Isa::AvxVnni,
+            "avx512" => Isa::Avx512,
+            "neon" => Isa::Neon,
+            _ => return None,
+        })
+    }
+
+    /// Whether the AVX2 kernels run on this ISA (AVX-512 machines run them too).
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn has_avx2(self) -> bool {
+        matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512)
+    }
+}
+
+/// Precision of the activations inside the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    F32,
+    /// int8 per 32-value block (INT4 / MXFP4 / Q8 weights only; others run in f32).
+    I8,
+    /// 16 bits per 32-value block as two int8 planes (INT4 / MXFP4 / Q8 only).
+    I16,
+}
+
+/// Which kernels a model's matrices run: the instruction set, and whether the integer formats
+/// may use quantized activations. Chosen when a model is loaded and carried by every matrix, so
+/// one process can run two models on two paths (tests compare them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelConfig {
+    pub isa: Isa,
+    /// Keep f32 activations for INT4 / MXFP4 / Q8 too.
+    pub f32_activations: bool,
+}
+
+impl Default for KernelConfig {
+    /// [`KernelConfig::from_env`].
+    fn default() -> Self {
+        KernelConfig::from_env()
+    }
+}
+
+impl KernelConfig {
+    /// The best kernels this machine runs.
+    pub fn best() -> KernelConfig {
+        KernelConfig {
+            isa: Isa::best(),
+            f32_activations: false,
+        }
+    }
+
+    /// Kernels on `isa` (capped to what this machine runs).
+    pub fn with_isa(isa: Isa) -> KernelConfig {
+        KernelConfig {
+            isa: Isa::capped(isa),
+            f32_activations: false,
+        }
+    }
+
+    /// The default: the best kernels, capped by `DELTAFIN_KERNELS=scalar|avx2|avxvnni` and with
+    /// `DELTAFIN_ACTIVATIONS=f32` forcing f32 activations (read once per process).
+    pub fn from_env() -> KernelConfig {
+        static FROM_ENV: OnceLock<KernelConfig> = OnceLock::new();
+        *FROM_ENV.get_or_init(|| {
+            let cap = std::env::var("DELTAFIN_KERNELS").unwrap_or_default();
+            let isa = match Isa::parse(&cap) {
+                Some(i) => Isa::capped(i),
+                None => Isa::best(),
+            };
+            let f32_activations =
+                std::env::var("DELTAFIN_ACTIVATIONS").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
+            KernelConfig {
+                isa,
+                f32_activations,
+            }
+        })
+    }
+
+    /// The activation precision `format` runs with: [`Act::I16`] for the integer formats on
+    /// x86_64 with AVX2, AVX-VNNI or AVX-512 VNNI (within the fixtures' tolerance; AVX-512: at
+    /// memory speed; AVX2: INT4 / MXFP4 twice the f32 kernels' speed, Q8 1.0-1.4x), f32
+    /// elsewhere (NEON has no 16-bit kernels yet) or when f32 activations are asked for.
+    pub fn act(&self, format: WeightFormat) -> Act {
+        if !self.f32_activations
+            && format.integer()
+            && matches!(self.isa, Isa::Avx512 | Isa::AvxVnni | Isa::Avx2)
+        {
+            Act::I16
+        } else {
+            Act::F32
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caps_never_exceed_what_runs() {
+        assert_eq!(Isa::capped(Isa::Scalar), Isa::Scalar);
+        for cap in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+            let got = Isa::capped(cap);
+            assert!(got.available());
+        }
+        let k = KernelConfig::with_isa(Isa::Scalar);
+        assert_eq!(k.act(WeightFormat::Int4 { group: 32 }), Act::F32);
+        assert_eq!(KernelConfig::best().act(WeightFormat::Bf16), Act::F32);
+    }
+}

@@ -1,0 +1,211 @@
+//! Quantizing a call's f32 inputs for the integer kernels: to int8 blocks, or to 16-bit blocks
+//! with AVX-512 / AVX2 block writers that give the portable loop's bytes.
+
+use deltafin_formats::WeightFormat;
+
+use crate::kernels::inputs::{
+    block_amax, block_slot, i16_block_scales, i16_inverses, i16_slot, round_small, BlockRuns,
+    I16Inputs, Inputs,
+};
+use crate::kernels::isa::Isa;
+use crate::kernels::shape::BLOCK;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::{x86, x86_avx512};
+
+/// Quantize `x [n, cols]` (cols a multiple of 32) to 16-bit blocks for `kind`; the SIMD
+/// paths give the same bytes as the portable one. `isa` falls back to the portable loop when
+/// this machine lacks it.
+///
+/// # Panics
+/// When `cols` is not a positive multiple of 32 or `x` not a whole number of rows.
+pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize) -> I16Inputs {
+    // The SIMD block writers below rely on both (whole rows of whole blocks, real features).
+    assert!(
+        cols > 0 && cols.is_multiple_of(BLOCK) && x.len().is_multiple_of(cols),
+        "quantize_inputs_i16: {} values are not rows of {cols} (a multiple of {BLOCK})",
+        x.len()
+    );
+    let isa = if isa.available() { isa } else { Isa::Scalar };
+    let blocks = x.len() / BLOCK;
+    let mut out = I16Inputs {
+        hi: vec![0; x.len()],
+        lo: vec![0; x.len()],
+        d: vec![0.0; blocks],
+        dsums: vec![0.0; blocks],
+    };
+    let extra = if matches!(kind, WeightFormat::Mxfp4 { .. }) {
+        0.5
+    } else {
+        1.0
+    };
+    // Where each element of a block goes relative to the block's element 0: the same for
+    // every block of a run of four (and for every block after the runs).
+    let quads = cols / BLOCK / 4;
+    let in_run: [usize; BLOCK] = std::array::from_fn(|e| i16_slot(kind, cols, e));
+    let single: [usize; BLOCK] = std::array::from_fn(|e| block_slot(kind, e) - block_slot(kind, 0));
+    let runs = [BlockRuns::from_rel(&in_run), BlockRuns::from_rel(&single)];
+    let per_row = cols / BLOCK;
+    for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+        let (row, bi) = (b / per_row, b % per_row);
+        let base = row * cols + i16_slot(kind, cols, bi * BLOCK);
+        let r = &runs[usize::from(bi >= quads * 4)];
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 {
+            // SAFETY: `Isa::Avx512` means AVX-512 F/BW/VL were detected; `xb` is one block
+            // and both runs of 16 slots from `base` lie inside `out.hi` / `out.lo` (the
+            // block's own slots).
+            let (d, dsum) = unsafe {
+                x86_avx512::quantize_block_i16(xb, extra, r, base, &mut out.hi, &mut out.lo)
+            };
+            out.d[b] = d;
+            out.dsums[b] = dsum;
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa.has_avx2() {
+            // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; `xb` is one block and
+            // both runs of 16 slots from `base` lie inside `out.hi` / `out.lo`.
+            let quantized =
+                unsafe { x86::quantize_block_i16(xb, extra, r, base, &mut out.hi, &mut out.lo) };
+            if let Some((d, dsum)) = quantized {
+                out.d[b] = d;
+                out.dsums[b] = dsum;
+                continue;
+            }
+        }
+        let _ = isa;
+        let s = block_amax(xb) / 127.0;
+        let (inv, inv_lo) = i16_inverses(s);
+        let mut h = [0f32; BLOCK];
+        let mut l = [0f32; BLOCK];
+        for ((h, l), &v) in h.iter_mut().zip(&mut l).zip(xb) {
+            *h = round_small(v * inv).clamp(-127.0, 127.0);
+            // |v - h*s| <= s/2, so the remainder is within +-128 steps of s/256 (clamped).
+            *l = round_small((v - *h * s) * inv_lo).clamp(-127.0, 127.0);
+        }
+        let mut sum = 0i32;
+        for (k, &e) in r.src.iter().enumerate() {
+            let slot = base + if k < 16 { k } else { r.run_b + k - 16 };
+            // `as` saturates NaN to 0: a NaN input gives a zero code, not UB.
+            let (hq, lq) = (h[e as usize] as i8, l[e as usize] as i8);
+            out.hi[slot] = hq;
+            out.lo[slot] = lq;
+            sum += 256 * hq as i32 + lq as i32;
+        }
+        (out.d[b], out.dsums[b]) = i16_block_scales(s, extra, sum);
+    }
+    out
+}
+
+/// Quantize `x [n, cols]` (cols a multiple of 32) to int8 blocks for `kind`.
+pub fn quantize_inputs(kind: WeightFormat, x: &[f32], cols: usize) -> Inputs<'static> {
+    let blocks = x.len() / BLOCK;
+    let mut q = vec![0i8; x.len()];
+    let mut d = vec![0f32; blocks];
+    // MXFP4 codes are stored doubled (integers -12..12), so halve the block scale.
+    let extra = if matches!(kind, WeightFormat::Mxfp4 { .. }) {
+        0.5
+    } else {
+        1.0
+    };
+    debug_assert_eq!(cols % BLOCK, 0);
+    for ((xb, qb), db) in x
+        .chunks_exact(BLOCK)
+        .zip(q.chunks_exact_mut(BLOCK))
+        .zip(d.iter_mut())
+    {
+        let s = block_amax(xb) / 127.0;
+        let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+        *db = s * extra;
+        for (i, &v) in xb.iter().enumerate() {
+            qb[block_slot(kind, i)] = round_small(v * inv).clamp(-127.0, 127.0) as i8;
+        }
+    }
+    Inputs::I8 { q, d }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each ISA's 16-bit quantization gives the portable bytes, NaN, infinity, zero blocks and
+    /// ties included.
+    #[test]
+    fn i16_quantizers_agree() {
+        for kind in [
+            WeightFormat::Int4 { group: 32 },
+            WeightFormat::Mxfp4 { group: 32 },
+            WeightFormat::Q8 { group: 32 },
+        ] {
+            for cols in [32, 96, 128, 160, 288] {
+                let n = 4;
+                let mut x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 0.013)
+                    .collect();
+                x[3] = f32::NAN;
+                x[cols + 40 % cols] = f32::INFINITY;
+                x[cols / 2] = f32::NEG_INFINITY;
+                for v in &mut x[2 * cols..2 * cols + 32] {
+                    *v = 0.0;
+                }
+                // Exact ties of the high code: 0.5 steps of amax / 127.
+                for (k, v) in x[3 * cols..3 * cols + 32].iter_mut().enumerate() {
+                    *v = if k == 0 { 127.0 } else { k as f32 + 0.5 };
+                }
+                let want = quantize_inputs_i16(Isa::Scalar, kind, &x, cols);
+                for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+                    if !isa.available() {
+                        continue;
+                    }
+                    let got = quantize_inputs_i16(isa, kind, &x, cols);
+                    assert_eq!(got.hi, want.hi, "{isa:?} {kind:?} {cols}: hi");
+                    assert_eq!(got.lo, want.lo, "{isa:?} {kind:?} {cols}: lo");
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got.d), bits(&want.d), "{isa:?} {kind:?} {cols}: d");
+                    assert_eq!(
+                        bits(&got.dsums),
+                        bits(&want.dsums),
+                        "{isa:?} {kind:?}: dsums"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The 16-bit inputs rebuild each value within one low step (half a step of rounding; the
+    /// low byte's clamp to +-127 can add the other half), in the documented order.
+    #[test]
+    fn i16_inputs_rebuild_the_values() {
+        for kind in [
+            WeightFormat::Int4 { group: 32 },
+            WeightFormat::Mxfp4 { group: 32 },
+            WeightFormat::Q8 { group: 32 },
+        ] {
+            for cols in [32, 64, 128, 160, 224, 288] {
+                let n = 3;
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 9 == 0 { 10.0 } else { 0.1 })
+                    .collect();
+                let q = quantize_inputs_i16(Isa::Scalar, kind, &x, cols);
+                let extra = if matches!(kind, WeightFormat::Mxfp4 { .. }) {
+                    0.5
+                } else {
+                    1.0
+                };
+                for t in 0..n {
+                    for i in 0..cols {
+                        let b = (t * cols + i) / BLOCK;
+                        let slot = t * cols + i16_slot(kind, cols, i);
+                        let v = (256.0 * q.hi[slot] as f32 + q.lo[slot] as f32) * q.d[b] / extra;
+                        let step = q.d[b] / extra;
+                        let want = x[t * cols + i];
+                        assert!(
+                            (v - want).abs() <= step + want.abs() * 1e-6,
+                            "{kind:?} cols {cols} t {t} i {i}: {v} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! What every kernel shares: the 32-column block, which shapes the SIMD paths take, and a
+//! prefetch hint.
+
+use deltafin_formats::WeightFormat;
+
+/// Columns per activation-quantization block and per SIMD step of the packed formats.
+pub const BLOCK: usize = 32;
+
+/// Kernel-side facts about a weight format.
+pub trait KernelShape {
+    /// Whether the SIMD kernels handle this shape (whole 32-column steps inside each group);
+    /// other shapes run the scalar reference.
+    fn simd_shape(self, cols: usize) -> bool;
+    /// Bytes of one row of `cols` values (matrices are checked at construction, so this
+    /// cannot overflow for a matrix the kernels are given).
+    fn row_len(self, cols: usize) -> usize;
+}
+
+impl KernelShape for WeightFormat {
+    fn simd_shape(self, cols: usize) -> bool {
+        cols.is_multiple_of(BLOCK) && self.group(cols).is_multiple_of(BLOCK)
+    }
+
+    fn row_len(self, cols: usize) -> usize {
+        self.row_bytes(cols).unwrap_or(usize::MAX)
+    }
+}
+
+/// Hints the CPU to bring `bytes` into L2 (a few KiB at a time: a long burst of prefetches
+/// outruns the miss buffers and is dropped).
+pub(crate) fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..bytes.len()).step_by(64) {
+        // SAFETY: SSE is part of the x86_64 baseline; a prefetch is a hint that neither
+        // faults nor changes memory, and `line` is inside `bytes`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                bytes[line..].as_ptr() as *const i8,
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}

@@ -1,0 +1,353 @@
+//! [`Model`]: a loaded model and its forward pass.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::arch::build;
+use crate::config::ModelConfig;
+use crate::digest::weights_digest;
+use crate::error::{InferenceError, Result};
+use crate::ffn::feed_forward::FfnContext;
+use crate::kernels::isa::KernelConfig;
+use crate::linear::owned::Linear;
+use crate::model::decoder::{DecoderLayer, ModelParts};
+use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
+use crate::model::residual::ResidualMixer;
+use crate::model::session::{OutputStates, Session};
+use crate::ops::RmsNorm;
+use crate::weights::WeightSource;
+
+static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A loaded model. Resident weights are prepared at load; routed experts are requested from the
+/// [`WeightSource`] during each forward pass.
+#[derive(Debug)]
+pub struct Model {
+    id: u64,
+    config: ModelConfig,
+    source: Arc<dyn WeightSource>,
+    /// `[vocab, hidden]`
+    embed_tokens: Linear,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `[vocab, hidden]`; `None` when tied to the embeddings.
+    lm_head: Option<Linear>,
+    residual: Box<dyn ResidualMixer>,
+    /// Predict each next MoE layer's experts and ask the source to prefetch them.
+    prefetch: AtomicBool,
+    /// Identity of the weights for snapshots, taken while the resident tensors were available.
+    weights_digest: [u8; 32],
+}
+
+impl std::fmt::Debug for dyn WeightSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WeightSource")
+    }
+}
+
+impl Model {
+    /// Parse the source's config, then load and prepare every resident weight.
+    pub fn load(source: Arc<dyn WeightSource>) -> Result<Model> {
+        Model::load_with(source, KernelConfig::default())
+    }
+
+    /// [`Model::load`] with every matrix on `kernels`.
+    pub fn load_with(source: Arc<dyn WeightSource>, kernels: KernelConfig) -> Result<Model> {
+        let config = ModelConfig::from_json(source.config())?;
+        let parts = build(config, &*source, kernels)?;
+        Ok(Model::from_parts(parts, source))
+    }
+
+    /// Like [`Model::load`], but takes the source by value so that, once the model holds its
+    /// own copy of the resident weights, the source can drop its copy
+    /// ([`WeightSource::release_resident`]): resident weights are held once, not twice. Returns
+    /// the source too (shared with the model) for its statistics.
+    pub fn load_owned<S: WeightSource + 'static>(source: S) -> Result<(Model, Arc<S>)> {
+        Model::load_owned_with(source, KernelConfig::default())
+    }
+
+    /// [`Model::load_owned`] with every matrix on `kernels`.
+    pub fn load_owned_with<S: WeightSource + 'static>(
+        mut source: S,
+        kernels: KernelConfig,
+    ) -> Result<(Model, Arc<S>)> {
+        let config = ModelConfig::from_json(source.config())?;
+        let parts = build(config, &source, kernels)?;
+        let digest = weights_digest(&source);
+        source.release_resident();
+        let source = Arc::new(source);
+        let shared: Arc<dyn WeightSource> = source.clone();
+        Ok((Model::assemble(parts, shared, digest), source))
+    }
+
+    /// Assemble a model from prepared parts (custom architectures).
+    pub fn from_parts(parts: ModelParts, source: Arc<dyn WeightSource>) -> Model {
+        let digest = weights_digest(&*source);
+        Model::assemble(parts, source, digest)
+    }
+
+    fn assemble(
+        parts: ModelParts,
+        source: Arc<dyn WeightSource>,
+        weights_digest: [u8; 32],
+    ) -> Model {
+        let prefetch = AtomicBool::new(source.wants_prefetch());
+        Model {
+            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            config: parts.config,
+            source,
+            embed_tokens: parts.embed_tokens,
+            layers: parts.layers,
+            norm: parts.norm,
+            lm_head: parts.lm_head,
+            residual: parts.residual,
+            prefetch,
+            weights_digest,
+        }
+    }
+
+    /// Next-layer prefetch: while layer L runs, apply layer L+1's router to the hidden state
+    /// after L's attention and pass the predicted experts to [`WeightSource::prefetch`]. On by
+    /// default when the source [wants it](WeightSource::wants_prefetch). Results do not depend
+    /// on it.
+    pub fn set_next_layer_prefetch(&self, on: bool) {
+        self.prefetch.store(on, Ordering::Relaxed);
+    }
+
+    pub fn next_layer_prefetch(&self) -> bool {
+        self.prefetch.load(Ordering::Relaxed)
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    pub fn vocab_size(&self) -> usize {
+        self.embed_tokens.rows()
+    }
+    pub fn hidden_size(&self) -> usize {
+        self.embed_tokens.cols()
+    }
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+    pub fn source(&self) -> &Arc<dyn WeightSource> {
+        &self.source
+    }
+
+    /// blake3 of the config and samples of the embeddings, LM head and final norm, taken at load
+    /// ([`crate::digest::weights_digest`]); snapshots use it to recognise the model.
+    pub fn weights_digest(&self) -> &[u8; 32] {
+        &self.weights_digest
+    }
+    /// Bytes of per-sequence state each position adds (KV caches), summed over the layers.
+    pub fn state_bytes_per_position(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| l.mixer.state_bytes_per_position() as u64)
+            .sum()
+    }
+
+    /// Bytes of per-sequence state that do not grow with the context (recurrent states),
+    /// summed over the layers.
+    pub fn fixed_state_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .map(|l| l.mixer.fixed_state_bytes() as u64)
+            .sum()
+    }
+
+    /// End-of-sequence ids from the config.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        self.config.eos_token_ids()
+    }
+
+    /// A fresh, empty sequence.
+    pub fn new_session(&self) -> Session {
+        Session {
+            model_id: self.id,
+            states: self.layers.iter().map(|l| l.mixer.new_state()).collect(),
+            len: 0,
+            outputs: None,
+        }
+    }
+
+    /// Record the last layer's output of every position `session` processes from now on
+    /// (`hidden_size` f32 per position), so that a snapshot of it can resume a prompt that ends
+    /// anywhere inside it without recomputing the prompt's last position.
+    pub fn record_outputs(&self, session: &mut Session) {
+        if session.outputs.is_none() {
+            session.outputs = Some(OutputStates {
+                start: session.len,
+                data: Vec::new(),
+            });
+        }
+    }
+
+    /// Logits of the session's last position from its recorded output (final norm and LM
+    /// head only); `None` if that output was not recorded.
+    pub fn logits_from_recorded(&self, session: &Session) -> Option<Vec<f32>> {
+        let last = session.len.checked_sub(1)?;
+        if !session.has_output(last) || session.model_id != self.id {
+            return None;
+        }
+        let o = session.outputs.as_ref()?;
+        let hd = self.hidden_size();
+        let row = o
+            .data
+            .get((last - o.start) * hd..(last - o.start + 1) * hd)?;
+        let x = self.norm.apply(row);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Some(head.forward(&x, 1))
+    }
+
+    /// Process `tokens` at positions `session.len()..` (a prompt chunk, a verification batch or
+    /// a single decode step) and return logits for every position.
+    pub fn forward(&self, session: &mut Session, tokens: &[u32]) -> Result<Logits> {
+        self.forward_with(session, tokens, LogitsMode::All, None)
+    }
+
+    /// Like [`Model::forward`] but returns only the last position's logits `[vocab]`.
+    pub fn forward_last(&self, session: &mut Session, tokens: &[u32]) -> Result<Vec<f32>> {
+        let l = self.forward_with(session, tokens, LogitsMode::Last, None)?;
+        Ok(l.data)
+    }
+
+    /// The general forward pass. On error the session is rolled back to its previous length.
+    pub fn forward_with(
+        &self,
+        session: &mut Session,
+        tokens: &[u32],
+        mode: LogitsMode,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<Logits> {
+        if session.model_id != self.id || session.states.len() != self.layers.len() {
+            return Err(InferenceError::StateMismatch(
+                "the session was created by another model".into(),
+            ));
+        }
+        let start = session.len;
+        let result = self.forward_inner(session, tokens, mode, trace);
+        match result {
+            Ok(l) => {
+                session.len = start + tokens.len();
+                Ok(l)
+            }
+            Err(e) => {
+                for s in &mut session.states {
+                    if s.len() > start {
+                        // Cannot fail: start <= len.
+                        let _ = s.truncate(start);
+                    }
+                }
+                if let Some(o) = &mut session.outputs {
+                    let hd = self.hidden_size();
+                    o.data.truncate(start.saturating_sub(o.start) * hd);
+                }
+                session.len = start;
+                Err(e)
+            }
+        }
+    }
+
+    fn forward_inner(
+        &self,
+        session: &mut Session,
+        tokens: &[u32],
+        mode: LogitsMode,
+        mut trace: Option<&mut ForwardTrace>,
+    ) -> Result<Logits> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(InferenceError::EmptyInput);
+        }
+        let vocab = self.vocab_size();
+        let hd = self.hidden_size();
+        for (index, &t) in tokens.iter().enumerate() {
+            if t as usize >= vocab {
+                return Err(InferenceError::TokenOutOfRange {
+                    token: t,
+                    index,
+                    vocab_size: vocab,
+                });
+            }
+        }
+        // Embeddings [n, hidden]
+        let mut emb = vec![0f32; n * hd];
+        let ev = self.embed_tokens.view();
+        for (t, row) in tokens.iter().zip(emb.chunks_mut(hd)) {
+            ev.decode_row(*t as usize, row);
+        }
+        if let Some(tr) = trace.as_deref_mut() {
+            tr.hidden_states.clear();
+            tr.routing.clear();
+            tr.hidden_states.push(emb.clone());
+        }
+        let mut streams = self.residual.init(emb);
+        for (li, layer) in self.layers.iter().enumerate() {
+            let state = &mut *session.states[li];
+            let x = layer
+                .input_layernorm
+                .apply(&self.residual.block_input(li, 0, &streams));
+            let y = layer.mixer.forward(&x, n, state)?;
+            self.residual.block_output(li, 0, &mut streams, &y);
+
+            if let Some(next) = self
+                .layers
+                .get(li + 1)
+                .filter(|_| self.next_layer_prefetch())
+            {
+                let xn = next
+                    .post_attention_layernorm
+                    .apply(&self.residual.block_input(li + 1, 1, &streams));
+                if let Some(experts) = next.ffn.predict_experts(&xn, n) {
+                    self.source.prefetch(next.index, &experts);
+                }
+            }
+
+            let x = layer
+                .post_attention_layernorm
+                .apply(&self.residual.block_input(li, 1, &streams));
+            let mut routing = Vec::new();
+            let mut ctx = FfnContext {
+                source: &*self.source,
+                layer: layer.index,
+                routing: if trace.is_some() {
+                    Some(&mut routing)
+                } else {
+                    None
+                },
+            };
+            let y = layer.ffn.forward(&x, n, &mut ctx)?;
+            self.residual.block_output(li, 1, &mut streams, &y);
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.hidden_states
+                    .push(self.residual.output(&streams).into_owned());
+                if !routing.is_empty() {
+                    tr.routing.push((layer.index, routing));
+                }
+            }
+        }
+        let h = self.residual.output(&streams);
+        if let Some(o) = &mut session.outputs {
+            o.data.extend_from_slice(&h);
+        }
+        let (rows, hs): (usize, &[f32]) = match mode {
+            LogitsMode::All => (n, &h),
+            LogitsMode::Last => (1, &h[(n - 1) * hd..]),
+            LogitsMode::None => {
+                return Ok(Logits {
+                    rows: 0,
+                    vocab,
+                    data: Vec::new(),
+                })
+            }
+        };
+        let x = self.norm.apply(hs);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(Logits {
+            rows,
+            vocab,
+            data: head.forward(&x, rows),
+        })
+    }
+}

@@ -1,0 +1,18 @@
+//! The decoder: embeddings, a stack of [`DecoderLayer`]s (token mixer + feed-forward, each
+//! pre-normed, joined by a [`ResidualMixer`]), the final norm and the LM head.
+//!
+//! Files: [`forward`] ([`Model`] and its forward pass), [`decoder`] (a layer and the parts a
+//! model is built from), [`residual`] (how sub-block outputs are joined), [`session`]
+//! (per-sequence state), [`logits`] (what a forward returns).
+
+pub mod decoder;
+pub mod forward;
+pub mod logits;
+pub mod residual;
+pub mod session;
+
+pub use decoder::{DecoderLayer, ModelParts};
+pub use forward::Model;
+pub use logits::{ForwardTrace, Logits, LogitsMode};
+pub use residual::{AddResidual, ResidualMixer};
+pub use session::Session;

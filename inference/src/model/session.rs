@@ -1,0 +1,84 @@
+//! [`Session`]: one sequence's state (per-layer mixer states, length, recorded outputs).
+
+use crate::error::{InferenceError, Result};
+use crate::mixer::MixerState;
+
+/// One sequence's state: per-layer mixer states and the number of positions processed.
+#[derive(Debug)]
+pub struct Session {
+    pub(crate) model_id: u64,
+    pub(crate) states: Vec<Box<dyn MixerState>>,
+    pub(crate) len: usize,
+    /// The last layer's output (before the final norm) of each position from `start` on, when
+    /// recording ([`Model::record_outputs`]): a snapshot that holds them lets a later prompt
+    /// that is entirely a prefix of the snapshot start generating without a forward pass.
+    pub(crate) outputs: Option<OutputStates>,
+}
+
+/// Per-position outputs of the last layer, `[len - start, hidden]`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OutputStates {
+    pub(crate) start: usize,
+    pub(crate) data: Vec<f32>,
+}
+
+impl Session {
+    /// Positions processed so far (the next token's position).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Roll back to the first `len` positions (speculative decoding); nothing is copied.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(InferenceError::Truncate {
+                len: self.len,
+                requested: len,
+            });
+        }
+        for s in &mut self.states {
+            s.truncate(len)?;
+        }
+        self.truncate_outputs(len);
+        self.len = len;
+        Ok(())
+    }
+    fn truncate_outputs(&mut self, len: usize) {
+        if let Some(o) = &mut self.outputs {
+            if len <= o.start {
+                o.start = len;
+                o.data.clear();
+            } else if let Some(per) = o.data.len().checked_div(self.len - o.start) {
+                o.data.truncate((len - o.start) * per);
+            }
+        }
+    }
+    /// Bytes held by the caches.
+    pub fn memory_bytes(&self) -> usize {
+        self.states.iter().map(|s| s.memory_bytes()).sum::<usize>()
+            + self.outputs.as_ref().map_or(0, |o| o.data.len() * 4)
+    }
+    /// Whether the last layer's output of position `pos` is recorded.
+    pub fn has_output(&self, pos: usize) -> bool {
+        self.outputs
+            .as_ref()
+            .is_some_and(|o| pos >= o.start && pos < self.len)
+    }
+    /// Recorded outputs (snapshots).
+    pub(crate) fn outputs(&self) -> Option<&OutputStates> {
+        self.outputs.as_ref()
+    }
+    pub(crate) fn set_outputs(&mut self, outputs: Option<OutputStates>) {
+        self.outputs = outputs;
+    }
+    /// Per-layer mixer states (snapshots).
+    pub(crate) fn states(&self) -> &[Box<dyn MixerState>] {
+        &self.states
+    }
+    /// Per-layer mixer states and the length to set once they are restored (snapshots).
+    pub(crate) fn restore_parts(&mut self) -> (&mut [Box<dyn MixerState>], &mut usize) {
+        (&mut self.states, &mut self.len)
+    }
+}

@@ -1,0 +1,47 @@
+//! This process's memory: resident set and peak (Linux `/proc/self/status`), memory available
+//! on the machine, and allocator tuning so that peak RSS tracks what is live.
+
+/// Keep large allocations out of the heap arena so freed memory goes back to the system and
+/// peak RSS tracks what is live (glibc otherwise raises the mmap threshold dynamically).
+pub fn tame_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning; it is thread-safe in glibc.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 * 1024);
+    }
+}
+
+/// A field of /proc/self/status in bytes (`VmRSS`, `VmHWM`).
+pub fn proc_status_bytes(field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
+    let kb: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())?;
+    kb.checked_mul(1024)
+}
+
+/// Resident set size now.
+pub fn rss_bytes() -> Option<u64> {
+    proc_status_bytes("VmRSS")
+}
+
+/// Peak resident set size so far.
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_status_bytes("VmHWM")
+}
+
+/// Half of the memory available at start (`MemAvailable`), or 4 GiB if unknown.
+pub fn default_ram_budget() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemAvailable"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map(|kb| kb.saturating_mul(1024) / 2)
+        .unwrap_or(4 << 30)
+}

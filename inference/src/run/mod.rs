@@ -1,0 +1,11 @@
+//! Running a model as a command does: open it from a path ([`open`]), split a RAM budget
+//! ([`budget`], [`memory`]), and measure a generation ([`measure`]).
+
+pub mod budget;
+pub mod measure;
+pub mod memory;
+pub mod open;
+
+pub use budget::{plan_budget, Budget};
+pub use measure::{measure_generation, GenStep, Measured};
+pub use open::{open_model, ModelPath, OpenOptions, OpenedModel};

@@ -1,0 +1,134 @@
+//! Opening a model from a path: a Hugging Face directory (memory-mapped) or a deltafin layout
+//! (any drive's manifest or layout folder), with the options a command line offers.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use deltafin_storage::engine::HashCheck;
+use deltafin_storage::manifest::MANIFEST_FILE;
+use deltafin_storage::store::{CachePolicy, LoadProgress};
+
+use crate::error::{InferenceError, Result};
+use crate::kernels::isa::KernelConfig;
+use crate::layout_source::{LayoutSource, LayoutSourceOptions};
+use crate::model::forward::Model;
+use crate::weights::DirSource;
+
+/// What a model path points at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelPath {
+    /// A Hugging Face model directory.
+    Directory(PathBuf),
+    /// A layout manifest file.
+    Layout(PathBuf),
+}
+
+impl ModelPath {
+    /// A directory with config.json, a folder with a layout manifest, config.json itself, or
+    /// a manifest file.
+    pub fn detect(path: &Path) -> Result<ModelPath> {
+        if path.is_dir() {
+            if path.join("config.json").is_file() {
+                return Ok(ModelPath::Directory(path.to_path_buf()));
+            }
+            if path.join(MANIFEST_FILE).is_file() {
+                return Ok(ModelPath::Layout(path.join(MANIFEST_FILE)));
+            }
+            return Err(InferenceError::InvalidArgument(format!(
+                "{}: neither a model directory (no config.json) nor a layout folder (no \
+                 {MANIFEST_FILE})",
+                path.display()
+            )));
+        }
+        if path.is_file() {
+            if path.file_name().is_some_and(|n| n == "config.json") {
+                let dir = path.parent().unwrap_or(Path::new("."));
+                return Ok(ModelPath::Directory(dir.to_path_buf()));
+            }
+            return Ok(ModelPath::Layout(path.to_path_buf()));
+        }
+        Err(InferenceError::InvalidArgument(format!(
+            "{}: no such file or directory",
+            path.display()
+        )))
+    }
+}
+
+/// How to open a model.
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    /// Layouts: reads in flight per drive.
+    pub threads_per_drive: usize,
+    /// Layouts: blake3 checks of records as they are read.
+    pub hash_check: HashCheck,
+    /// Layouts: expert cache policy.
+    pub cache_policy: CachePolicy,
+    /// Layouts: do not prefetch the next layer's predicted experts.
+    pub no_prefetch: bool,
+    /// The kernels every matrix runs.
+    pub kernels: KernelConfig,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        let l = LayoutSourceOptions::default();
+        OpenOptions {
+            threads_per_drive: l.threads_per_drive,
+            hash_check: l.hash_check,
+            cache_policy: l.cache_policy,
+            no_prefetch: false,
+            kernels: KernelConfig::default(),
+        }
+    }
+}
+
+/// A loaded model and where it came from.
+#[derive(Debug)]
+pub struct OpenedModel {
+    pub model: Model,
+    pub path: ModelPath,
+    /// The layout the model streams its experts from (`None` for a directory).
+    pub layout: Option<Arc<LayoutSource>>,
+    pub load_time: Duration,
+}
+
+/// Open `path` and load the model. A layout's expert buffers start with no budget: give them
+/// one with [`crate::run::budget::plan_budget`] before generating.
+pub fn open_model(
+    path: &Path,
+    opts: &OpenOptions,
+    on_progress: &mut dyn FnMut(&LoadProgress),
+) -> Result<OpenedModel> {
+    let start = Instant::now();
+    let path = ModelPath::detect(path)?;
+    let (model, layout) = match &path {
+        ModelPath::Directory(d) => {
+            let src = DirSource::open(d)?;
+            (Model::load_with(Arc::new(src), opts.kernels)?, None)
+        }
+        ModelPath::Layout(m) => {
+            let lopts = LayoutSourceOptions {
+                threads_per_drive: opts.threads_per_drive,
+                // Raised to the budget's share once the model is loaded.
+                buffer_cap_bytes: 0,
+                cache_policy: opts.cache_policy,
+                hash_check: opts.hash_check,
+                ..LayoutSourceOptions::default()
+            };
+            let src = LayoutSource::open_with_progress(m, &lopts, on_progress)?;
+            // The model keeps its own copy of the resident weights; the layout's is dropped.
+            let (model, src) = Model::load_owned_with(src, opts.kernels)?;
+            (model, Some(src))
+        }
+    };
+    if opts.no_prefetch {
+        model.set_next_layer_prefetch(false);
+    }
+    Ok(OpenedModel {
+        model,
+        path,
+        layout,
+        load_time: start.elapsed(),
+    })
+}

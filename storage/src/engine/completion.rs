@@ -1,0 +1,60 @@
+//! Finishing a request: the last piece to land checks the hash (if asked) and sends the
+//! [`Completion`] on the requester's channel.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::engine::replica::recover_record;
+use crate::engine::request::{Completion, InFlight, Loaded};
+use crate::engine::shared::Shared;
+use crate::error::StorageError;
+
+/// Account for one finished (or skipped) piece; the last one completes the request.
+pub(crate) fn finish_piece(shared: &Shared, req: &Arc<InFlight>, piece: usize) {
+    let p = req.pieces[piece].piece;
+    shared.drives[p.drive]
+        .outstanding
+        .fetch_sub(p.len, Ordering::Relaxed);
+    if req.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        complete(shared, req);
+    }
+}
+
+/// Send the request's completion: its buffer, or the first error, `Cancelled` or
+/// `EngineClosed`; a record whose hash does not match is recovered from another replica if
+/// there is one.
+pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
+    let buf = req.buf.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let error = req.error.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let result = match (buf, error) {
+        (_, Some(e)) => Err(e),
+        (None, None) => Err(StorageError::EngineClosed),
+        (Some(_), None) if req.cancelled.load(Ordering::Acquire) => Err(StorageError::Cancelled),
+        (Some(buf), None) => match &req.expected_hash {
+            Some(want) => {
+                let got = blake3::hash(&buf[..req.payload_len]);
+                if got.to_hex().as_str() == want {
+                    Ok(Loaded {
+                        target: req.target.clone(),
+                        tag: req.tag,
+                        buf,
+                        verified: true,
+                    })
+                } else {
+                    recover_record(shared, req, buf)
+                }
+            }
+            None => Ok(Loaded {
+                target: req.target.clone(),
+                tag: req.tag,
+                buf,
+                verified: false,
+            }),
+        },
+    };
+    let _ = req.done.send(Completion {
+        tag: req.tag,
+        target: req.target.clone(),
+        result,
+    });
+}

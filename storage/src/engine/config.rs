@@ -1,0 +1,94 @@
+//! How an engine is set up: lanes, hash checking, tuning and the I/O backend.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::{IoBackend, PosixBackend};
+use crate::clock::{Clock, SystemClock};
+
+/// Which queue a request waits in. Demand always overtakes prefetch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    Demand = 0,
+    Prefetch = 1,
+}
+
+/// How many completed records get their blake3 checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HashCheck {
+    Off,
+    /// One record in every N.
+    Sampled(u32),
+    All,
+}
+
+impl std::str::FromStr for HashCheck {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "off" => Ok(HashCheck::Off),
+            "all" => Ok(HashCheck::All),
+            s => s
+                .strip_prefix("sampled")
+                .map(|n| n.trim_start_matches([':', '=']))
+                .map(|n| {
+                    if n.is_empty() {
+                        Ok(16)
+                    } else {
+                        n.parse::<u32>()
+                    }
+                })
+                .and_then(|r| r.ok())
+                .filter(|&n| n > 0)
+                .map(HashCheck::Sampled)
+                .ok_or_else(|| format!("hash check `{s}`: use off, all or sampled[:N]")),
+        }
+    }
+}
+
+impl std::fmt::Display for HashCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HashCheck::Off => f.write_str("off"),
+            HashCheck::All => f.write_str("all"),
+            HashCheck::Sampled(n) => write!(f, "sampled:{n}"),
+        }
+    }
+}
+
+/// Engine tuning. Defaults were chosen by measurement (see README, `benches/`).
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Worker threads per drive = reads in flight per drive (the queue depth).
+    pub threads_per_drive: usize,
+    /// Hard cap on bytes of pooled buffers (in flight plus cached).
+    pub buffer_cap_bytes: u64,
+    /// Pending pieces each lane of each drive can hold before `submit` blocks.
+    pub queue_capacity: usize,
+    pub hash_check: HashCheck,
+    pub backend: Arc<dyn IoBackend>,
+    /// Replicate mode: after a read error a drive gets no new pieces (while another replica is
+    /// healthy) for this long, then it is tried again; a drive that keeps failing is retried
+    /// once per period.
+    pub replica_retry_after: Duration,
+    /// Replicate mode: drives not to read at all (copies that `open_layout_degraded` found
+    /// missing, foreign or truncated); the others serve every record.
+    pub unavailable_drives: Vec<usize>,
+    /// Time for the retry period (the system clock; tests advance a manual one).
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            threads_per_drive: 4,
+            buffer_cap_bytes: 1 << 30,
+            queue_capacity: 8192,
+            hash_check: HashCheck::Sampled(16),
+            backend: Arc::new(PosixBackend::default()),
+            replica_retry_after: Duration::from_secs(10),
+            unavailable_drives: Vec::new(),
+            clock: Arc::new(SystemClock::default()),
+        }
+    }
+}

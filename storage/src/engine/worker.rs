@@ -1,0 +1,76 @@
+//! The per-drive `pread` worker loop.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crossbeam_channel::Receiver;
+
+use crate::engine::completion::finish_piece;
+use crate::engine::replica::read_other_replica;
+use crate::engine::request::{Job, Target};
+use crate::engine::schedule::{least_loaded, next_job};
+use crate::engine::shared::Shared;
+use crate::stripe::Mode;
+
+/// Serve drive `d`'s lanes until a stop job: read each claimed piece straight into its slice of
+/// the request's buffer, fail over to another replica on an error (replicate mode), and finish
+/// the piece.
+pub(crate) fn worker(
+    shared: Arc<Shared>,
+    d: usize,
+    lanes: Arc<Vec<(Receiver<Job>, Receiver<Job>)>>,
+) {
+    let steal = shared.manifest.mode == Mode::Replicate && lanes.len() > 1;
+    while let Some(job) = next_job(&shared, d, &lanes, steal) {
+        let (req, piece) = match job {
+            Job::Stop => return,
+            Job::Read { req, piece } => (req, piece),
+        };
+        let slot = &req.pieces[piece];
+        if slot.claimed.swap(true, Ordering::AcqRel) {
+            continue; // already read through the other lane, or cancelled
+        }
+        if req.cancelled.load(Ordering::Acquire) {
+            finish_piece(&shared, &req, piece);
+            continue;
+        }
+        let p = slot.piece;
+        // Raw reads name their drive; record pieces in replicate mode may be served by any
+        // (by this worker's drive unless it has had read errors).
+        let replicated = steal && matches!(req.target, Target::Record(_));
+        let rd = if !replicated {
+            p.drive
+        } else if shared.drives[d].healthy() {
+            d
+        } else if shared.drives[p.drive].healthy() {
+            p.drive
+        } else {
+            // Queued to a drive that has failed since: another replica, if one is healthy.
+            least_loaded(&shared.drives, &[])
+        };
+        let drive = &shared.drives[rd];
+        // SAFETY: [buf_offset, buf_offset+len) lies within the buffer's capacity (pieces cover
+        // the aligned payload length, which the buffer was sized for), no other piece overlaps
+        // it, and the buffer is not read until every piece is finished.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(req.ptr.0.add(p.buf_offset as usize), p.len as usize)
+        };
+        match drive.read(rd, dst, p.file_offset) {
+            Ok(()) => slot.served_by.store(rd, Ordering::Relaxed),
+            Err(e) => {
+                drive.mark_failed();
+                // Every drive of a replicated layout holds the same bytes at the same offset.
+                let recovered = if shared.replicated() && matches!(req.target, Target::Record(_)) {
+                    read_other_replica(&shared, rd, dst, p.file_offset, e)
+                } else {
+                    Err(e)
+                };
+                match recovered {
+                    Ok(o) => slot.served_by.store(o, Ordering::Relaxed),
+                    Err(e) => req.set_error(e),
+                }
+            }
+        }
+        finish_piece(&shared, &req, piece);
+    }
+}

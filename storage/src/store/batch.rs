@@ -1,0 +1,280 @@
+//! [`ExpertBatch`]: one layer's requested experts, yielded as they become available.
+//!
+//! At the start the batch scores the layer's prediction, cancels mispredicted prefetches that
+//! have not started, promotes wanted ones, and sorts the experts into cached, in flight and to
+//! read. Each `next()` submits what the budget allows (never evicting an expert of this batch
+//! not yet handed over: they are pinned), hands over a cached expert if there is one, else waits
+//! for the next read to land.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, MutexGuard};
+use std::time::Instant;
+
+use crate::buffer::AlignedBuf;
+use crate::engine::Lane;
+use crate::error::{Result, StorageError};
+use crate::manifest::RecordTensor;
+use crate::store::cache::{ExpertKey, Lookup};
+use crate::store::expert_store::{ExpertStore, StoreState};
+use crate::stripe::align_up;
+
+/// One routed expert's record, handed over.
+#[derive(Debug)]
+pub struct LandedExpert<'s> {
+    pub expert: u32,
+    /// The record's tensors (its layer's template), offsets into [`LandedExpert::bytes`].
+    pub tensors: &'s [RecordTensor],
+    buf: Arc<AlignedBuf>,
+}
+
+impl LandedExpert<'_> {
+    /// The record's payload.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Tensor `i`'s bytes (in bounds: the manifest was validated against the record length).
+    pub fn tensor_bytes(&self, t: &RecordTensor) -> Option<&[u8]> {
+        let end = t.offset.checked_add(t.len)?;
+        self.buf.get(t.offset as usize..end as usize)
+    }
+}
+
+/// One layer's experts in landing order (see the module docs).
+#[derive(Debug)]
+pub struct ExpertBatch<'s> {
+    store: &'s ExpertStore,
+    st: MutexGuard<'s, StoreState>,
+    layer: u32,
+    experts: Vec<u32>,
+    records: Vec<usize>,
+    delivered: Vec<bool>,
+    /// Indices into `experts` that are landed and not yet handed over.
+    ready: Vec<usize>,
+    /// Indices into `experts` still to submit.
+    to_read: VecDeque<usize>,
+    /// Reads of this batch in flight.
+    in_flight: usize,
+    now: u64,
+    failed: bool,
+}
+
+impl<'s> ExpertBatch<'s> {
+    pub(crate) fn start(store: &'s ExpertStore, layer: u32, experts: &[u32]) -> Result<Self> {
+        let mut st = store.lock();
+        st.stats.batches += 1;
+        let records = experts
+            .iter()
+            .map(|&e| store.record_of(layer, e))
+            .collect::<Result<Vec<usize>>>()?;
+        let n = experts.len();
+        st.stats.requests += n as u64;
+        // Score the prediction for this layer; cancel wrong guesses not yet started.
+        if let Some(s) = st.gate.score(layer, experts) {
+            st.stats.predicted += s.predicted;
+            st.stats.predicted_actual += s.requested;
+            st.stats.predicted_correct += s.correct;
+        }
+        let wrong: Vec<ExpertKey> = st
+            .cache
+            .pending_keys()
+            .filter(|&((l, e), live_prefetch)| l == layer && live_prefetch && !experts.contains(&e))
+            .map(|(k, _)| k)
+            .collect();
+        for k in wrong {
+            if st.cache.cancel(k) {
+                if let Some(t) = st.tickets.get(&k) {
+                    t.cancel();
+                }
+            }
+        }
+        st.clock += 1;
+        let now = st.clock;
+        let mut batch = ExpertBatch {
+            store,
+            st,
+            layer,
+            experts: experts.to_vec(),
+            records,
+            delivered: vec![false; n],
+            ready: Vec::new(),
+            to_read: VecDeque::new(),
+            in_flight: 0,
+            now,
+            failed: false,
+        };
+        // Classify: cached, in flight (promote prefetches), or to read.
+        for (i, &e) in experts.iter().enumerate() {
+            let key = (layer, e);
+            batch.st.cache.pin(key);
+            match batch.st.cache.lookup(key, now) {
+                Lookup::Ready(_) => batch.ready.push(i),
+                Lookup::PrefetchInFlight => {
+                    if let Some(t) = batch.st.tickets.get(&key) {
+                        t.promote();
+                    }
+                    batch.in_flight += 1;
+                }
+                // A cancelled read is read again once it has settled.
+                Lookup::InFlight => batch.in_flight += 1,
+                Lookup::Miss => batch.to_read.push_back(i),
+            }
+        }
+        Ok(batch)
+    }
+
+    fn index_of(&self, e: u32) -> Option<usize> {
+        self.experts.iter().position(|&x| x == e)
+    }
+
+    fn hand_over(&mut self, i: usize) -> Option<LandedExpert<'s>> {
+        let key = (self.layer, self.experts[i]);
+        let buf = self.st.cache.peek(key)?;
+        self.delivered[i] = true;
+        self.st.cache.unpin(key);
+        let manifest: &'s crate::manifest::Manifest = self.store.manifest();
+        Some(LandedExpert {
+            expert: self.experts[i],
+            tensors: manifest.record_tensors(&manifest.records[self.records[i]]),
+            buf,
+        })
+    }
+
+    /// Submit reads while the budget has room. When nothing of this batch can free room,
+    /// cancel the reads that are not part of it (other layers' prefetches and this layer's
+    /// mispredicted ones) and wait for them; with nothing in flight at all, the budget is too
+    /// small for this expert.
+    fn submit_what_fits(&mut self) -> Result<()> {
+        while let Some(&i) = self.to_read.front() {
+            let key = (self.layer, self.experts[i]);
+            let submitted =
+                self.store
+                    .submit(&mut self.st, key, self.records[i], Lane::Demand, &|_| true)?;
+            if submitted {
+                self.to_read.pop_front();
+                self.in_flight += 1;
+                continue;
+            }
+            if self.in_flight == 0 && self.ready.is_empty() {
+                let others: Vec<ExpertKey> = self
+                    .st
+                    .cache
+                    .pending_keys()
+                    .map(|(k, _)| k)
+                    .filter(|&(l, e)| l != self.layer || self.index_of(e).is_none())
+                    .collect();
+                if others.is_empty() {
+                    return Err(StorageError::ExpertBudget {
+                        layer: self.layer,
+                        expert: self.experts[i],
+                        need: align_up(self.store.engine().record(self.records[i]).len.max(1)),
+                        cap: self.st.cache.cap(),
+                    });
+                }
+                for k in others {
+                    if self.st.cache.cancel(k) {
+                        if let Some(t) = self.st.tickets.get(&k) {
+                            t.cancel();
+                        }
+                    }
+                }
+            }
+            break;
+        }
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<Option<LandedExpert<'s>>> {
+        loop {
+            self.submit_what_fits()?;
+            if let Some(i) = self.ready.pop() {
+                match self.hand_over(i) {
+                    Some(l) => return Ok(Some(l)),
+                    None => {
+                        // Evicted before it was handed over (cannot happen while pinned):
+                        // read it again.
+                        self.to_read.push_back(i);
+                        continue;
+                    }
+                }
+            }
+            if self.delivered.iter().all(|&d| d) {
+                return Ok(None);
+            }
+            if self.in_flight == 0 && self.to_read.is_empty() {
+                // Nothing of ours is coming (a pending read of ours settled as another
+                // layer's): look again.
+                for i in 0..self.experts.len() {
+                    let key = (self.layer, self.experts[i]);
+                    if !self.delivered[i] && !self.st.cache.contains(key) {
+                        self.to_read.push_back(i);
+                    } else if !self.delivered[i] && self.st.cache.peek(key).is_some() {
+                        self.ready.push(i);
+                    }
+                }
+                if !self.to_read.is_empty() || !self.ready.is_empty() {
+                    continue;
+                }
+            }
+            let t = Instant::now();
+            let c = self.store.rx.recv().map_err(|_| StorageError::ExpertRead {
+                layer: self.layer,
+                expert: self.experts[0],
+                source: Box::new(StorageError::EngineClosed),
+            })?;
+            self.st.stats.stall += t.elapsed();
+            let (key, err) = self.store.land(&mut self.st, c);
+            let mine = (key.0 == self.layer)
+                .then(|| self.index_of(key.1))
+                .flatten()
+                .filter(|&i| !self.delivered[i]);
+            let Some(i) = mine else {
+                continue; // another layer's prefetch
+            };
+            self.in_flight = self.in_flight.saturating_sub(1);
+            match err {
+                None => {
+                    self.st.cache.touch(key, self.now);
+                    self.ready.push(i);
+                }
+                Some(StorageError::Cancelled) => self.to_read.push_back(i),
+                Some(source) => {
+                    return Err(StorageError::ExpertRead {
+                        layer: self.layer,
+                        expert: key.1,
+                        source: Box::new(source),
+                    })
+                }
+            }
+        }
+    }
+}
+
+impl<'s> Iterator for ExpertBatch<'s> {
+    type Item = Result<LandedExpert<'s>>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        match self.step() {
+            Ok(Some(l)) => Some(Ok(l)),
+            Ok(None) => None,
+            Err(e) => {
+                self.failed = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+impl Drop for ExpertBatch<'_> {
+    fn drop(&mut self) {
+        for i in 0..self.experts.len() {
+            if !self.delivered[i] {
+                let key = (self.layer, self.experts[i]);
+                self.st.cache.unpin(key);
+            }
+        }
+    }
+}

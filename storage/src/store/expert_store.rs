@@ -1,0 +1,350 @@
+//! [`ExpertStore`]: routed experts of a layout, read through the engine under a byte budget,
+//! cached, prefetched on request, and handed to the consumer in landing order.
+//!
+//! The store opens the layout (from any drive's copy; a replicated one with drives missing),
+//! starts the engine, loads the resident set on request, and serves two calls:
+//! - [`ExpertStore::fetch`]`(layer, experts)`: an [`ExpertBatch`], an iterator yielding each
+//!   requested expert once, cached ones first, then reads in the order they land;
+//! - [`ExpertStore::prefetch`]`(layer, experts)`: low-priority reads of predicted experts,
+//!   promoted if the layer then asks for them, cancelled (if not started) if it asks for
+//!   others, and gated by the measured precision of the predictions ([`PrefetchGate`]).
+//!
+//! Fetches are serialized (one forward pass at a time): a batch holds the store's state until
+//! it is dropped.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+
+use crate::backend::{IoBackend, PosixBackend};
+use crate::buffer::AlignedBuf;
+use crate::engine::{Completion, Engine, EngineConfig, HashCheck, Lane, Target, Ticket};
+use crate::error::{Result, StorageError};
+use crate::layout::open_layout_degraded;
+use crate::manifest::{Manifest, RecordId};
+use crate::store::batch::ExpertBatch;
+use crate::store::cache::{CacheBuffer, CachePolicy, ExpertCache, ExpertKey};
+use crate::store::gate::PrefetchGate;
+use crate::store::resident::ResidentSet;
+use crate::store::stats::{FetchStats, LoadProgress, StoreStats};
+use crate::stripe::{align_up, Mode};
+
+impl CacheBuffer for AlignedBuf {
+    fn bytes(&self) -> u64 {
+        self.capacity() as u64
+    }
+}
+
+/// How to open a store.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Reads in flight per drive (engine worker threads per drive).
+    pub threads_per_drive: usize,
+    /// Hard cap on bytes of expert buffers: reads in flight, prefetched and cached experts
+    /// (the expert cache lives inside it). Must hold the largest expert record; more lets more
+    /// experts be read at once and cached. Resident tensors live in their own buffers and do
+    /// not count.
+    pub buffer_cap_bytes: u64,
+    /// Which cached expert to drop when the cap is reached.
+    pub cache_policy: CachePolicy,
+    /// Which records get their blake3 checked as they land (resident and experts alike).
+    pub hash_check: HashCheck,
+    /// The I/O backend (O_DIRECT files by default; fault injection in tests).
+    pub backend: Arc<dyn IoBackend>,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        let e = EngineConfig::default();
+        StoreOptions {
+            threads_per_drive: e.threads_per_drive,
+            buffer_cap_bytes: e.buffer_cap_bytes,
+            cache_policy: CachePolicy::default(),
+            hash_check: e.hash_check,
+            backend: Arc::new(PosixBackend::default()),
+        }
+    }
+}
+
+/// The mutable part of a store: the cache, the tickets of reads in flight, the gate, counters.
+#[derive(Debug)]
+pub(crate) struct StoreState {
+    pub cache: ExpertCache<AlignedBuf>,
+    pub tickets: HashMap<ExpertKey, Ticket>,
+    pub gate: PrefetchGate,
+    /// Use counter: the cache's notion of time.
+    pub clock: u64,
+    pub stats: FetchStats,
+}
+
+/// Figures of the resident-set load, for the statistics.
+#[derive(Clone, Copy, Debug, Default)]
+struct ResidentFigures {
+    records: usize,
+    bytes: u64,
+    time: std::time::Duration,
+}
+
+/// Routed experts of a layout (see the module docs).
+#[derive(Debug)]
+pub struct ExpertStore {
+    engine: Engine,
+    drive_dirs: Vec<PathBuf>,
+    unavailable: Vec<String>,
+    state: Mutex<StoreState>,
+    resident: Mutex<ResidentFigures>,
+    pub(crate) tx: Sender<Completion>,
+    pub(crate) rx: Receiver<Completion>,
+}
+
+/// Tag of an expert read: layer in the high half, expert in the low half.
+pub(crate) fn key_tag((layer, expert): ExpertKey) -> u64 {
+    (u64::from(layer) << 32) | u64::from(expert)
+}
+
+pub(crate) fn tag_key(tag: u64) -> ExpertKey {
+    ((tag >> 32) as u32, (tag & 0xffff_ffff) as u32)
+}
+
+impl ExpertStore {
+    /// Open the layout whose manifest is `path` (a `manifest.json` or the layout folder on any
+    /// of its drives). A replicated layout opens with drives missing, foreign or truncated
+    /// (see [`ExpertStore::unavailable_drives`]); the others serve every record.
+    pub fn open(path: &Path, opts: &StoreOptions) -> Result<ExpertStore> {
+        let (manifest, drive_dirs, problems) = open_layout_degraded(path)?;
+        let config = EngineConfig {
+            threads_per_drive: opts.threads_per_drive,
+            buffer_cap_bytes: opts.buffer_cap_bytes,
+            hash_check: opts.hash_check,
+            backend: opts.backend.clone(),
+            unavailable_drives: problems.iter().map(|(d, _)| *d).collect(),
+            ..EngineConfig::default()
+        };
+        // Every expert read has its own cache slot until it lands, so in-flight reads (and so
+        // completions waiting here) are at most the expert records, and at most what the budget
+        // holds of the smallest one: workers never block on this channel.
+        let (records, smallest) = manifest
+            .records
+            .iter()
+            .filter(|r| matches!(r.id, RecordId::Expert { .. }))
+            .fold((0u64, u64::MAX), |(n, s), r| {
+                (n + 1, s.min(align_up(r.len.max(1))))
+            });
+        let fit = opts.buffer_cap_bytes / smallest.max(1);
+        let capacity = records.min(fit.saturating_add(1)).saturating_add(16);
+        let (tx, rx) = bounded(usize::try_from(capacity).unwrap_or(usize::MAX));
+        let engine = Engine::open(Arc::new(manifest), &drive_dirs, config)?;
+        Ok(ExpertStore {
+            engine,
+            drive_dirs,
+            unavailable: problems.iter().map(|(_, e)| e.to_string()).collect(),
+            state: Mutex::new(StoreState {
+                cache: ExpertCache::new(opts.buffer_cap_bytes, opts.cache_policy),
+                tickets: HashMap::new(),
+                gate: PrefetchGate::default(),
+                clock: 0,
+                stats: FetchStats::default(),
+            }),
+            resident: Mutex::new(ResidentFigures::default()),
+            tx,
+            rx,
+        })
+    }
+
+    /// Read the whole resident set, `window` records in flight.
+    pub fn read_resident(
+        &self,
+        window: usize,
+        on_progress: &mut dyn FnMut(&LoadProgress),
+    ) -> Result<ResidentSet> {
+        let set = ResidentSet::load(&self.engine, window, on_progress)?;
+        *self.resident.lock().unwrap_or_else(|p| p.into_inner()) = ResidentFigures {
+            records: set.count(),
+            bytes: set.bytes(),
+            time: set.load_time(),
+        };
+        Ok(set)
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        self.engine.manifest()
+    }
+
+    /// Drives of a replicated layout that could not be used at open (missing, foreign or
+    /// truncated copies), one message each naming the drive and path.
+    pub fn unavailable_drives(&self) -> &[String] {
+        &self.unavailable
+    }
+
+    /// The layout folder on each drive, in drive order.
+    pub fn drive_dirs(&self) -> &[PathBuf] {
+        &self.drive_dirs
+    }
+
+    pub fn drive_count(&self) -> usize {
+        self.drive_dirs.len()
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.manifest().mode
+    }
+
+    /// Whether every drive is read with O_DIRECT.
+    pub fn direct_io(&self) -> bool {
+        self.engine.direct_io()
+    }
+
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, StoreState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Change the cap on expert buffer bytes (e.g. once a RAM budget can be split after
+    /// loading). Lowering it evicts cached experts as new reads need room.
+    pub fn set_cap(&self, bytes: u64) {
+        self.lock().cache.set_cap(bytes);
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let st = self.lock();
+        let c = st.cache.counters();
+        let fetch = FetchStats {
+            cache_hits: c.hits,
+            prefetch_hits: c.prefetch_hits,
+            evictions: c.evictions,
+            prefetch_cancelled: c.prefetch_cancelled,
+            peak_bytes: c.peak_bytes,
+            ..st.stats.clone()
+        };
+        let r = *self.resident.lock().unwrap_or_else(|p| p.into_inner());
+        StoreStats {
+            resident_records: r.records,
+            resident_bytes: r.bytes,
+            resident_load_time: r.time,
+            bytes_read: r.bytes + fetch.read_bytes,
+            drives: self.engine.stats(),
+            expert_memory_bytes: st.cache.used(),
+            expert_memory_cap: st.cache.cap(),
+            fetch,
+        }
+    }
+
+    /// The record of expert `expert` of `layer`.
+    pub(crate) fn record_of(&self, layer: u32, expert: u32) -> Result<usize> {
+        self.engine
+            .record_index(&RecordId::Expert { layer, expert })
+            .ok_or_else(|| StorageError::MissingExpert {
+                layer,
+                expert,
+                reason: format!("layout `{}` has no record for it", self.manifest().name),
+            })
+    }
+
+    /// Routed experts `experts` of `layer`, each yielded once as it becomes available.
+    /// Unknown experts are refused before anything is read.
+    pub fn fetch(&self, layer: u32, experts: &[u32]) -> Result<ExpertBatch<'_>> {
+        ExpertBatch::start(self, layer, experts)
+    }
+
+    /// Start reading `experts` of `layer` on the prefetch lane (those not cached or in flight),
+    /// likeliest first, as far as the budget allows without evicting experts of `layer` or the
+    /// layer before it; nothing while the predictions' measured precision is too low.
+    pub fn prefetch(&self, layer: u32, experts: &[u32]) {
+        let mut st = self.lock();
+        if !st.gate.predict(layer, experts) {
+            st.stats.prefetch_gated += experts.len() as u64;
+            return;
+        }
+        for &e in experts {
+            let key = (layer, e);
+            if st.cache.contains(key) {
+                continue;
+            }
+            let Ok(record) = self.record_of(layer, e) else {
+                continue;
+            };
+            let evictable = |k: ExpertKey| k.0 != layer && k.0 + 1 != layer;
+            match self.submit(&mut st, key, record, Lane::Prefetch, &evictable) {
+                Ok(true) => {}
+                Ok(false) | Err(_) => break,
+            }
+        }
+    }
+
+    /// Submit a read of `key` (record `record`) on `lane` within the budget; `Ok(false)` when
+    /// there is no room.
+    pub(crate) fn submit(
+        &self,
+        st: &mut StoreState,
+        key: ExpertKey,
+        record: usize,
+        lane: Lane,
+        evictable: &dyn Fn(ExpertKey) -> bool,
+    ) -> Result<bool> {
+        let len = self.engine.record(record).len;
+        let need = align_up(len.max(1));
+        let dest = match st
+            .cache
+            .reserve(key, need, lane == Lane::Prefetch, evictable)
+        {
+            Ok(Some(b)) => b,
+            Ok(None) => AlignedBuf::zeroed(len as usize),
+            Err(_) => return Ok(false),
+        };
+        match self.engine.submit(
+            Target::Record(record),
+            lane,
+            key_tag(key),
+            self.tx.clone(),
+            Some(dest),
+        ) {
+            Ok(t) => {
+                st.tickets.insert(key, t);
+                if lane == Lane::Prefetch {
+                    st.stats.prefetch_reads += 1;
+                }
+                Ok(true)
+            }
+            Err(source) => {
+                st.cache.abort(key);
+                Err(StorageError::ExpertRead {
+                    layer: key.0,
+                    expert: key.1,
+                    source: Box::new(source),
+                })
+            }
+        }
+    }
+
+    /// Apply one completion: the key it was for and, on failure, the error.
+    pub(crate) fn land(
+        &self,
+        st: &mut StoreState,
+        c: Completion,
+    ) -> (ExpertKey, Option<StorageError>) {
+        let key = tag_key(c.tag);
+        st.tickets.remove(&key);
+        st.clock += 1;
+        let now = st.clock;
+        match c.result {
+            Ok(loaded) => {
+                let buf = loaded.buf.into_owned();
+                let len = buf.len() as u64;
+                if st.cache.land(key, Some(buf), now) {
+                    st.stats.reads += 1;
+                    st.stats.read_bytes += len;
+                }
+                (key, None)
+            }
+            Err(e) => {
+                st.cache.land(key, None, now);
+                (key, Some(e))
+            }
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! The command-line arguments of `deltafin generate` and `deltafin logits`.
+
+use std::path::PathBuf;
+
+use deltafin_inference::generate::DEFAULT_PREFILL_CHUNK;
+use deltafin_inference::CachePolicy;
+use deltafin_storage::engine::HashCheck;
+
+use crate::util::parse_size;
+
+/// Where the weights come from and how a layout is read.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SourceArgs {
+    /// A Hugging Face model directory (config.json + safetensors), or a deltafin layout: its
+    /// manifest.json or the layout folder on any of its drives.
+    #[arg(long, value_name = "PATH")]
+    pub model: PathBuf,
+    /// Layouts: reads in flight per drive.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub threads_per_drive: usize,
+    /// Layouts: blake3 checks of records as they are read: off, `sampled[:N]` (one in N) or all.
+    #[arg(long, default_value = "sampled:16", value_name = "MODE")]
+    pub hash_check: HashCheck,
+    /// Layouts: RAM budget for the whole process (resident weights, KV cache, activations, I/O
+    /// buffers and the expert cache); the expert cache gets what the rest leaves. Default: half
+    /// of the memory available at start.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub ram_budget: Option<u64>,
+    /// Layouts: expert cache policy: lfu (frequency-aware) or lru.
+    #[arg(long, default_value = "lfu", value_name = "POLICY")]
+    pub cache_policy: CachePolicy,
+    /// Layouts: do not prefetch the next layer's predicted experts.
+    #[arg(long)]
+    pub no_prefetch: bool,
+    /// Prefill the prompt in chunks of N positions (0 = all at once).
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
+    pub prefill_chunk: usize,
+    /// tokenizer.json to use (default: next to the model, or the layout's source checkpoint).
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Prompt text (needs a tokenizer.json).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    pub prompt: Option<String>,
+    /// Prompt as token ids: 1,2,3.
+    #[arg(long, value_delimiter = ',', num_args = 1.., value_name = "IDS")]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Upper bound on generated tokens.
+    #[arg(short = 'n', long, default_value_t = 64, value_name = "N")]
+    pub max_new_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub top_k: usize,
+    /// Nucleus sampling: keep the smallest set of tokens with probability >= P (1 = off).
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    pub top_p: f32,
+    /// Sampler seed.
+    #[arg(long, default_value_t = 0, value_name = "S")]
+    pub seed: u64,
+    /// Extra stop token (repeatable); the config's EOS ids always stop unless --ignore-eos.
+    #[arg(long = "stop-id", value_name = "ID")]
+    pub stop_ids: Vec<u32>,
+    /// Do not stop at the config's EOS ids.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// End with one JSON object on stdout (statistics go to stderr).
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub spec: crate::speculative_cmd::SpecArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub source: SourceArgs,
+    /// Input token ids: 1,2,3.
+    #[arg(long, value_delimiter = ',', num_args = 1.., required = true, value_name = "IDS")]
+    pub ids: Vec<u32>,
+    /// Output safetensors file: f32 `logits` [len, vocab].
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+}

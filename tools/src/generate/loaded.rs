@@ -1,0 +1,115 @@
+//! A model opened from the command line's `--model`, with its tokenizer and RAM budget.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use deltafin_inference::run::budget::plan_budget;
+use deltafin_inference::run::memory::default_ram_budget;
+use deltafin_inference::run::{open_model, Budget, ModelPath, OpenOptions, OpenedModel};
+use deltafin_inference::{CachePolicy, LoadProgress};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::generate::args::SourceArgs;
+use crate::generate::tokenizer::load_tokenizer;
+
+/// A loaded model and facts about its source.
+pub(crate) struct Loaded {
+    pub opened: OpenedModel,
+    pub tokenizer: Option<(PathBuf, tokenizers::Tokenizer)>,
+    pub policy: CachePolicy,
+    /// The RAM budget and how it was split (layouts).
+    pub budget: Option<Budget>,
+}
+
+/// Open `--model`, with a progress bar while a layout's resident weights load.
+pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
+    let path = ModelPath::detect(&args.model)?;
+    let tokenizer = load_tokenizer(args, &path)?;
+    let opts = OpenOptions {
+        threads_per_drive: args.threads_per_drive,
+        hash_check: args.hash_check,
+        cache_policy: args.cache_policy,
+        no_prefetch: args.no_prefetch,
+        ..OpenOptions::default()
+    };
+    let bar = if args.quiet || matches!(path, ModelPath::Directory(_)) {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(0)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    bar.set_message("resident");
+    let opened = open_model(&args.model, &opts, &mut |p: &LoadProgress| {
+        bar.set_length(p.total_bytes);
+        bar.set_position(p.done_bytes);
+    })
+    .with_context(|| format!("opening {}", args.model.display()));
+    bar.finish_and_clear();
+    let opened = opened?;
+    if let Some(src) = &opened.layout {
+        for problem in src.unavailable_drives() {
+            eprintln!("warning: {problem}; reading from the other replicas");
+        }
+        if !src.direct_io() {
+            eprintln!(
+                "note: a drive's filesystem refused O_DIRECT; reading through the page cache"
+            );
+        }
+    }
+    Ok(Loaded {
+        opened,
+        tokenizer,
+        policy: args.cache_policy,
+        budget: None,
+    })
+}
+
+impl Loaded {
+    pub(crate) fn model(&self) -> &deltafin_inference::Model {
+        &self.opened.model
+    }
+
+    /// Token ids of `text` when a tokenizer was found.
+    pub(crate) fn encode(&self, text: &str) -> anyhow::Result<Option<Vec<u32>>> {
+        match &self.tokenizer {
+            Some((_, t)) => Ok(Some(
+                t.encode(text, true)
+                    .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
+                    .get_ids()
+                    .to_vec(),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// Split the RAM budget once the model is loaded and the longest context is known
+    /// (layouts; a directory's weights are all in memory already).
+    pub(crate) fn apply_budget(
+        &mut self,
+        args: &SourceArgs,
+        max_positions: usize,
+    ) -> anyhow::Result<()> {
+        if let Some(src) = &self.opened.layout {
+            let budget = args.ram_budget.unwrap_or_else(default_ram_budget);
+            let chunk = if args.prefill_chunk == 0 {
+                max_positions
+            } else {
+                args.prefill_chunk
+            };
+            self.budget = Some(plan_budget(
+                &self.opened.model,
+                src,
+                budget,
+                max_positions,
+                chunk,
+            )?);
+        }
+        Ok(())
+    }
+}

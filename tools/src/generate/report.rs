@@ -1,0 +1,161 @@
+//! What `deltafin generate` prints after the text: a one-line summary, or one JSON object with
+//! every measurement.
+
+use deltafin_inference::run::{Measured, ModelPath};
+use deltafin_inference::StopReason;
+
+use crate::generate::loaded::Loaded;
+use crate::util::{drive_stats_json, human, machine};
+
+/// Facts about the source for the JSON report.
+fn source_json(l: &Loaded) -> serde_json::Value {
+    let mut v = serde_json::Map::new();
+    match &l.opened.path {
+        ModelPath::Directory(d) => {
+            v.insert("model".into(), d.display().to_string().into());
+            v.insert("source".into(), "directory".into());
+        }
+        ModelPath::Layout(m) => {
+            v.insert("model".into(), m.display().to_string().into());
+            v.insert("source".into(), "layout".into());
+        }
+    }
+    if let Some(src) = &l.opened.layout {
+        let s = src.stats();
+        v.insert(
+            "mode".into(),
+            serde_json::to_value(src.mode()).unwrap_or_default(),
+        );
+        v.insert("drives".into(), src.drive_count().into());
+        v.insert("bytes_read".into(), s.bytes_read.into());
+        v.insert("resident_bytes".into(), s.resident_bytes.into());
+        v.insert("expert_bytes".into(), s.fetch.read_bytes.into());
+        v.insert("experts_fetched".into(), s.fetch.reads.into());
+        v.insert(
+            "resident_load_s".into(),
+            s.resident_load_time.as_secs_f64().into(),
+        );
+        v.insert("drive_stats".into(), drive_stats_json(&s.drives));
+    } else {
+        v.insert("bytes_read".into(), serde_json::Value::Null);
+    }
+    if let Some((p, _)) = &l.tokenizer {
+        v.insert("tokenizer".into(), p.display().to_string().into());
+    }
+    v.into()
+}
+
+fn stop_json(stop: StopReason) -> serde_json::Value {
+    match stop {
+        StopReason::MaxTokens => serde_json::json!("max_tokens"),
+        StopReason::StopToken(id) => serde_json::json!({"stop_token": id}),
+        StopReason::Callback => serde_json::json!("callback"),
+    }
+}
+
+pub(crate) fn summary(m: &Measured, loaded: &Loaded, prompt_len: usize) -> String {
+    let n = m.output.tokens.len();
+    let rate = m.tokens_per_s();
+    let mut s = format!(
+        "{n} tokens from a {prompt_len}-token prompt; time to first token {}; {rate:.2} \
+         tokens/s ({:.1} tokens/min); total {:.3} s; load {:.3} s",
+        m.ttft
+            .map(|t| format!("{:.3} s", t.as_secs_f64()))
+            .unwrap_or_else(|| "n/a".into()),
+        rate * 60.0,
+        m.total.as_secs_f64(),
+        loaded.opened.load_time.as_secs_f64(),
+    );
+    if let Some(src) = &loaded.opened.layout {
+        let f = m.all_fetch();
+        let d = &m.decode_fetch;
+        s.push_str(&format!(
+            "; read {} of experts ({} records) from {} drive(s); {} per decoded token; \
+             {} per prompt token; expert cache hit rate {}; prefetch recall {} precision \
+             {}; I/O stall {:.3} s; peak RSS {}",
+            human(f.read_bytes),
+            f.reads,
+            src.drive_count(),
+            human(d.read_bytes / m.decode_steps.max(1) as u64),
+            human(m.prefill_fetch.read_bytes / prompt_len.max(1) as u64),
+            pct(f.hit_rate()),
+            pct(f.prefetch_recall()),
+            pct(f.prefetch_precision()),
+            f.stall.as_secs_f64(),
+            m.peak_rss.map(human).unwrap_or_else(|| "n/a".into()),
+        ));
+        if let Some(b) = &loaded.budget {
+            s.push_str(&format!(
+                " (budget {}, expert buffers {})",
+                human(b.ram_budget),
+                human(b.expert_memory)
+            ));
+        }
+    }
+    s
+}
+
+pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_json::Value {
+    let n = m.output.tokens.len();
+    let rate = m.tokens_per_s();
+    let f = m.all_fetch();
+    let (p, d) = (&m.prefill_fetch, &m.decode_fetch);
+    let stall = f.stall.as_secs_f64();
+    let mut v = serde_json::json!({
+        "tokens": n,
+        "token_ids": m.output.tokens,
+        "prompt_tokens": prompt.len(),
+        "prompt_ids": prompt,
+        "stop": stop_json(m.output.stop),
+        "ttft_s": m.ttft.map(|t| t.as_secs_f64()),
+        "tokens_per_s": rate,
+        "tokens_per_min": rate * 60.0,
+        "decode_s_per_token": (m.decode_steps > 0).then(|| m.decode_time.as_secs_f64() / m.decode_steps as f64),
+        "total_s": m.total.as_secs_f64(),
+        "load_s": loaded.opened.load_time.as_secs_f64(),
+        "compute_s": (m.total.as_secs_f64() - stall).max(0.0),
+        "io_stall_s": stall,
+        "prefill_io_stall_s": p.stall.as_secs_f64(),
+        "decode_io_stall_s": d.stall.as_secs_f64(),
+        "peak_rss_bytes": m.peak_rss,
+        "next_layer_prefetch": loaded.opened.model.next_layer_prefetch(),
+        "machine": machine(),
+    });
+    if let (Some(obj), serde_json::Value::Object(src)) = (v.as_object_mut(), source_json(loaded)) {
+        obj.extend(src);
+    }
+    if let Some(src) = &loaded.opened.layout {
+        let man = src.manifest();
+        v["layout"] = man.name.clone().into();
+        v["bytes_read"] = f.read_bytes.into();
+        v["prefill_bytes_read"] = p.read_bytes.into();
+        v["decode_bytes_read"] = d.read_bytes.into();
+        v["bytes_read_per_token"] = (d.read_bytes as f64 / m.decode_steps.max(1) as f64).into();
+        v["bytes_read_per_prompt_token"] =
+            (p.read_bytes as f64 / prompt.len().max(1) as f64).into();
+        v["expert_cache_hit_rate"] = f.hit_rate().into();
+        v["decode_expert_cache_hit_rate"] = d.hit_rate().into();
+        v["prefetch_recall"] = f.prefetch_recall().into();
+        v["prefetch_precision"] = f.prefetch_precision().into();
+        v["prefetch_gated"] = f.prefetch_gated.into();
+        v["decode_prefetch_recall"] = d.prefetch_recall().into();
+        v["decode_prefetch_precision"] = d.prefetch_precision().into();
+        v["fetch"] = serde_json::json!({
+            "requests": f.requests, "cache_hits": f.cache_hits, "prefetch_hits": f.prefetch_hits,
+            "reads": f.reads, "prefetch_reads": f.prefetch_reads,
+            "prefetch_cancelled": f.prefetch_cancelled, "evictions": f.evictions,
+            "expert_memory_peak_bytes": f.peak_bytes,
+        });
+        v["cache_policy"] = loaded.policy.to_string().into();
+        v["budget"] = serde_json::to_value(&loaded.budget).unwrap_or_default();
+        v["ram_budget_bytes"] = loaded.budget.as_ref().map(|b| b.ram_budget).into();
+        v["expert_bytes_total"] = man.expert_bytes().into();
+        v["drive_stats"] = drive_stats_json(&m.drives);
+    }
+    v
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map(|x| format!("{:.1}%", 100.0 * x))
+        .unwrap_or_else(|| "n/a".into())
+}

@@ -1,0 +1,158 @@
+//! `deltafin generate`: stream tokens from a prompt, then print the measurements.
+
+use std::io::Write;
+
+use anyhow::{bail, Context};
+use deltafin_inference::run::memory::tame_allocator;
+use deltafin_inference::run::ModelPath;
+use deltafin_inference::{GenerateConfig, SamplerConfig};
+
+use crate::generate::args::GenerateArgs;
+use crate::generate::loaded::load;
+use crate::generate::report::{summary, to_json};
+use crate::generate::tokenizer::{find_tokenizer, Detok};
+
+pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
+    tame_allocator();
+    // Cheap argument checks before a possibly long load.
+    if args.prompt.is_none() && args.prompt_ids.as_ref().is_none_or(|v| v.is_empty()) {
+        bail!("give --prompt TEXT or --prompt-ids 1,2,3");
+    }
+    SamplerConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    }
+    .validate()?;
+    if args.prompt.is_some() {
+        let path = ModelPath::detect(&args.source.model)?;
+        if find_tokenizer(&args.source, &path)?.is_none() {
+            bail!(
+                "--prompt needs a tokenizer.json and none was found for {} (looked {}); give \
+                 --tokenizer FILE, or pass token ids with --prompt-ids 1,2,3",
+                args.source.model.display(),
+                match path {
+                    ModelPath::Layout(_) => {
+                        "in the layout's source checkpoint folder and next to the manifest"
+                    }
+                    ModelPath::Directory(_) => "in the model directory",
+                }
+            );
+        }
+    }
+
+    let mut loaded = load(&args.source)?;
+    let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
+        (Some(text), _) => {
+            let (_, tok) = loaded
+                .tokenizer
+                .as_ref()
+                .context("--prompt needs a tokenizer.json; use --prompt-ids")?;
+            tok.encode(text.as_str(), true)
+                .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+                .get_ids()
+                .to_vec()
+        }
+        (None, Some(ids)) => ids.clone(),
+        (None, None) => bail!("give --prompt TEXT or --prompt-ids 1,2,3"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty (no tokens)");
+    }
+
+    let mut config = GenerateConfig::for_model(loaded.model(), args.max_new_tokens);
+    if args.ignore_eos {
+        config.stop_tokens.clear();
+    }
+    config.stop_tokens.extend(&args.stop_ids);
+    config.sampler = SamplerConfig {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+
+    config.prefill_chunk = args.source.prefill_chunk;
+    loaded.apply_budget(&args.source, prompt.len() + args.max_new_tokens)?;
+
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut detok = loaded.tokenizer.as_ref().map(|(_, t)| Detok::new(t));
+    let mut text = String::new();
+    let mut io_err: Option<std::io::Error> = None;
+    let mut detok_err: Option<anyhow::Error> = None;
+    let mut spec_metrics = serde_json::Map::new();
+    let result = crate::speculative_cmd::run(
+        &args.spec,
+        &loaded,
+        &prompt,
+        &config,
+        &mut spec_metrics,
+        &mut |id| {
+            let piece = match detok.as_mut() {
+                Some(d) => match d.push(id) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        detok_err = Some(e);
+                        return false;
+                    }
+                },
+                None => format!("{id} "),
+            };
+            text.push_str(&piece);
+            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                io_err = Some(e);
+                return false;
+            }
+            true
+        },
+    );
+    if let Some(e) = detok_err {
+        return Err(e);
+    }
+    if let Some(e) = io_err {
+        // A closed pipe (e.g. `| head`) is not worth a report.
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return Ok(());
+        }
+        return Err(e).context("writing to stdout");
+    }
+    let run = result.context("generating")?;
+    let output = &run.output;
+    // Flush text held back by the detokenizer (an incomplete character at the very end).
+    let text = match &loaded.tokenizer {
+        Some((_, tok)) => {
+            let full = tok
+                .decode(&output.tokens, true)
+                .map_err(|e| anyhow::anyhow!("decoding tokens: {e}"))?;
+            if let Some(rest) = full.strip_prefix(text.as_str()) {
+                out.write_all(rest.as_bytes())?;
+            }
+            Some(full)
+        }
+        None => None,
+    };
+    writeln!(out)?;
+    out.flush()?;
+
+    let stats = summary(&run, &loaded, prompt.len());
+    if args.json {
+        eprintln!("{stats}");
+        let mut v = to_json(&run, &loaded, &prompt);
+        if let Some(obj) = v.as_object_mut() {
+            obj.extend(spec_metrics);
+        }
+        if let Some(t) = text {
+            v["text"] = t.into();
+        }
+        if let Some(p) = &args.prompt {
+            v["prompt"] = p.clone().into();
+        }
+        writeln!(out, "{}", serde_json::to_string(&v)?)?;
+    } else {
+        writeln!(out, "{stats}")?;
+    }
+    out.flush()?;
+    Ok(())
+}
