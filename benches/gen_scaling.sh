@@ -7,12 +7,15 @@
 #
 #   sudo benches/gen_scaling.sh [--bps 157286400] [--preset medium] [--ram-budget 700M]
 #        [--new-tokens 16] [--prompts short] [--repeats 1] [--long-prompt 512]
+#        [--arch deepseek_v3|qwen3_moe|kimi_linear|kimi_k3] [--format bf16|mxfp4|...]
+#        [--set key=value ...] [--out FILE]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 ORIG_ARGS="$*"
 BPS=$((150 * 1024 * 1024)); PRESET=medium; BUDGET=700M; NEW=16; PROMPTS=short; REPEATS=1
 LONG=512; THREADS=4; UNIT=512K; MODES="stripe replicate"; COUNTS="1 2 3 4"
+ARCH=deepseek_v3; FORMAT=bf16; SETS=()
 while [ $# -gt 0 ]; do
     case $1 in
         --bps) BPS=$2; shift 2 ;;
@@ -25,6 +28,9 @@ while [ $# -gt 0 ]; do
         --modes) MODES=$2; shift 2 ;;
         --drives) COUNTS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
+        --arch) ARCH=$2; shift 2 ;;
+        --format) FORMAT=$2; shift 2 ;;
+        --set) SETS+=(--set "$2"); shift 2 ;;
         *) echo "unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -36,10 +42,15 @@ if [ -z "$bin" ]; then
     bin="$repo/target/release/deltafin"
 fi
 work=${BENCH_WORK:-/var/tmp/deltafin-bench-model}
-if [ ! -f "$work/$PRESET/config.json" ]; then
-    "$bin" synth --out "$work/$PRESET" --preset "$PRESET" --seed 1 --force -q
+model="$work/$PRESET"
+if [ "$ARCH" != deepseek_v3 ] || [ "$FORMAT" != bf16 ] || [ ${#SETS[@]} -gt 0 ]; then
+    model="$work/$ARCH-$PRESET-$FORMAT-$(echo "${SETS[*]:-}" | md5sum | cut -c1-8)"
 fi
-model_bytes=$(du -sb "$work/$PRESET" | cut -f1)
+if [ ! -f "$model/config.json" ]; then
+    "$bin" synth --out "$model" --arch "$ARCH" --preset "$PRESET" --format "$FORMAT" \
+        ${SETS[@]+"${SETS[@]}"} --seed 1 --force -q
+fi
+model_bytes=$(du -sb "$model" | cut -f1)
 size_gb=$(( model_bytes / 1000000000 + 2 ))
 drives_setup 4 "$size_gb" "$BPS"
 out=${OUT:-"$repo/benches/results/gen_scaling.json"}
@@ -48,7 +59,7 @@ for mode in $MODES; do
     for n in $COUNTS; do
         args=()
         for ((i = 0; i < n; i++)); do args+=(--drive "$BENCH_MNT/d$i"); done
-        "$bin" layout --model "$work/$PRESET" "${args[@]}" --mode "$mode" --stripe-unit "$UNIT" --name "g-$mode-$n" --force -q >&2
+        "$bin" layout --model "$model" "${args[@]}" --mode "$mode" --stripe-unit "$UNIT" --name "g-$mode-$n" --force -q >&2
         drop_caches
         in_throttled "$bin" bench io "$BENCH_MNT/d0/g-$mode-$n" --json --seconds 4 --threads-per-drive "$THREADS" > "$tmp/io-$mode-$n.json"
         drop_caches
@@ -60,9 +71,9 @@ for r in g["rows"]: print("%-9s %d drive(s) %-45s %.2f tok/s  TTFT %.2f s  %.1f 
         for ((i = 0; i < n; i++)); do rm -rf "$BENCH_MNT/d$i/g-$mode-$n"; done
     done
 done
-python3 - "$tmp" "$out" "$BPS" "$PRESET" "$BUDGET" "$model_bytes" <<'PY'
+python3 - "$tmp" "$out" "$BPS" "$PRESET" "$BUDGET" "$model_bytes" "$ARCH" "$FORMAT" "${SETS[*]:-}" <<'PY'
 import json, sys, glob, os, datetime
-tmp, out, bps, preset, budget, model_bytes = sys.argv[1:]
+tmp, out, bps, preset, budget, model_bytes, arch, fmt, sets = sys.argv[1:]
 rows = []
 for f in sorted(glob.glob(os.path.join(tmp, "gen-*.json"))):
     g = json.load(open(f))
@@ -85,7 +96,8 @@ for mode in ("stripe", "replicate"):
                 "fio_4_vs_1": (sel[4]["fio_gb_per_s"] or 0) / max(sel[1]["fio_gb_per_s"] or 1e-9, 1e-9)}
 doc = {"benchmark": "gen_scaling", "date": datetime.datetime.utcnow().isoformat() + "Z",
        "command": os.environ.get("BENCH_CMD", ""), "throttle_bytes_per_s_per_drive": int(bps),
-       "preset": preset, "ram_budget": budget, "model_bytes": int(model_bytes),
+       "preset": preset, "arch": arch, "format": fmt, "sets": sets,
+       "ram_budget": budget, "model_bytes": int(model_bytes),
        "machine": rows[0]["machine"] if rows else None,
        "summary": summary, "rows": rows}
 json.dump(doc, open(out, "w"), indent=1)

@@ -153,6 +153,7 @@ impl LayoutSource {
                 cache_policy: options.cache_policy,
                 hash_check: options.hash_check,
                 backend: options.backend.clone(),
+                ..StoreOptions::default()
             },
         )?;
         let resident = store

@@ -28,6 +28,8 @@ pub enum Fill {
     Range(f32, f32),
     /// Every element this value.
     Constant(f32),
+    /// The first `count` elements uniform in [lo, hi], the rest zero (a padded vector).
+    Padded { lo: f32, hi: f32, count: u64 },
     /// Part `part` of the bytes the caller's `computed` callback returns for group `group`
     /// (e.g. the quantized form of a weight drawn as `Linear`).
     Computed { group: usize, part: usize },
@@ -83,6 +85,8 @@ fn value(fill: Fill, seed: u64, j: u64) -> f32 {
     let (lo, hi) = match fill {
         Fill::Constant(c) => return c,
         Fill::Computed { .. } => return 0.0,
+        Fill::Padded { count, .. } if j >= count => return 0.0,
+        Fill::Padded { lo, hi, .. } => (lo, hi),
         Fill::Linear { fan_in } => {
             let s = (3.0 / fan_in.max(1) as f32).sqrt();
             (-s, s)

@@ -349,8 +349,8 @@ mod tests {
             created_unix: 1,
             mode: Mode::Stripe,
             stripe_unit: 8192,
-            model_type: "deepseek_v3".into(),
-            config: serde_json::json!({"model_type": "deepseek_v3"}),
+            model_type: "test_moe".into(),
+            config: serde_json::json!({"model_type": "test_moe"}),
             drives: (0..2)
                 .map(|i| DriveEntry {
                     index: i,

@@ -398,7 +398,7 @@ mod tests {
             include_str!("../../tests/data/routing_medium.txt"),
         ),
         (
-            "deepseek_v3_a",
+            "fixture-a",
             include_str!("../../tests/data/routing_fixture.txt"),
         ),
     ];

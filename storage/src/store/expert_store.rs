@@ -2,7 +2,8 @@
 //! cached, prefetched on request, and handed to the consumer in landing order.
 //!
 //! The store opens the layout (from any drive's copy; a replicated one with drives missing),
-//! starts the engine, loads the resident set on request, and serves two calls:
+//! starts the engine, loads the resident set on request, and serves two calls (in
+//! [`crate::store::reads`]):
 //! - [`ExpertStore::fetch`]`(layer, experts)`: an [`ExpertBatch`], an iterator yielding each
 //!   requested expert once, cached ones first, then reads in the order they land;
 //! - [`ExpertStore::prefetch`]`(layer, experts)`: low-priority reads of predicted experts,
@@ -20,16 +21,15 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 
 use crate::backend::{IoBackend, PosixBackend};
 use crate::buffer::AlignedBuf;
-use crate::engine::{Completion, Engine, EngineConfig, HashCheck, Lane, Target, Ticket};
+use crate::engine::{Completion, Engine, EngineConfig, HashCheck, Ticket};
 use crate::error::{Result, StorageError};
 use crate::layout::open_layout_degraded;
 use crate::manifest::{Manifest, RecordId};
-use crate::store::batch::ExpertBatch;
 use crate::store::cache::{CacheBuffer, CachePolicy, ExpertCache, ExpertKey};
 use crate::store::gate::PrefetchGate;
 use crate::store::resident::ResidentSet;
 use crate::store::stats::{FetchStats, LoadProgress, StoreStats};
-use crate::stripe::{align_up, Mode};
+use crate::stripe::Mode;
 
 impl CacheBuffer for AlignedBuf {
     fn bytes(&self) -> u64 {
@@ -53,6 +53,8 @@ pub struct StoreOptions {
     pub hash_check: HashCheck,
     /// The I/O backend (O_DIRECT files by default; fault injection in tests).
     pub backend: Arc<dyn IoBackend>,
+    /// Expert reads outstanding at most ([`MAX_OUTSTANDING_READS`] by default).
+    pub max_outstanding_reads: usize,
 }
 
 impl Default for StoreOptions {
@@ -64,6 +66,7 @@ impl Default for StoreOptions {
             cache_policy: CachePolicy::default(),
             hash_check: e.hash_check,
             backend: Arc::new(PosixBackend::default()),
+            max_outstanding_reads: MAX_OUTSTANDING_READS,
         }
     }
 }
@@ -95,9 +98,15 @@ pub struct ExpertStore {
     unavailable: Vec<String>,
     state: Mutex<StoreState>,
     resident: Mutex<ResidentFigures>,
+    /// Reads outstanding at most (the completion channel's capacity).
+    pub(crate) max_outstanding: usize,
     pub(crate) tx: Sender<Completion>,
     pub(crate) rx: Receiver<Completion>,
 }
+
+/// Expert reads outstanding at most: far more than the drives' queues need to stay busy, and
+/// more than a layer's experts (a prefill chunk reads them all at once) in every shipped model.
+pub const MAX_OUTSTANDING_READS: usize = 1024;
 
 /// Tag of an expert read: layer in the high half, expert in the low half.
 pub(crate) fn key_tag((layer, expert): ExpertKey) -> u64 {
@@ -122,19 +131,17 @@ impl ExpertStore {
             unavailable_drives: problems.iter().map(|(d, _)| *d).collect(),
             ..EngineConfig::default()
         };
-        // Every expert read has its own cache slot until it lands, so in-flight reads (and so
-        // completions waiting here) are at most the expert records, and at most what the budget
-        // holds of the smallest one: workers never block on this channel.
-        let (records, smallest) = manifest
+        // Completions wait on a bounded channel. The store never has more reads outstanding
+        // (submitted, completion not yet received) than the channel holds, so no sender ever
+        // blocks on it: not a worker, and not the store itself when a cancel completes a read
+        // on the caller's thread. The budget, not this, is what normally limits reads.
+        let records = manifest
             .records
             .iter()
             .filter(|r| matches!(r.id, RecordId::Expert { .. }))
-            .fold((0u64, u64::MAX), |(n, s), r| {
-                (n + 1, s.min(align_up(r.len.max(1))))
-            });
-        let fit = opts.buffer_cap_bytes / smallest.max(1);
-        let capacity = records.min(fit.saturating_add(1)).saturating_add(16);
-        let (tx, rx) = bounded(usize::try_from(capacity).unwrap_or(usize::MAX));
+            .count();
+        let max_outstanding = records.clamp(1, opts.max_outstanding_reads.max(1));
+        let (tx, rx) = bounded(max_outstanding);
         let engine = Engine::open(Arc::new(manifest), &drive_dirs, config)?;
         Ok(ExpertStore {
             engine,
@@ -148,6 +155,7 @@ impl ExpertStore {
                 stats: FetchStats::default(),
             }),
             resident: Mutex::new(ResidentFigures::default()),
+            max_outstanding,
             tx,
             rx,
         })
@@ -243,108 +251,5 @@ impl ExpertStore {
                 expert,
                 reason: format!("layout `{}` has no record for it", self.manifest().name),
             })
-    }
-
-    /// Routed experts `experts` of `layer`, each yielded once as it becomes available.
-    /// Unknown experts are refused before anything is read.
-    pub fn fetch(&self, layer: u32, experts: &[u32]) -> Result<ExpertBatch<'_>> {
-        ExpertBatch::start(self, layer, experts)
-    }
-
-    /// Start reading `experts` of `layer` on the prefetch lane (those not cached or in flight),
-    /// likeliest first, as far as the budget allows without evicting experts of `layer` or the
-    /// layer before it; nothing while the predictions' measured precision is too low.
-    pub fn prefetch(&self, layer: u32, experts: &[u32]) {
-        let mut st = self.lock();
-        if !st.gate.predict(layer, experts) {
-            st.stats.prefetch_gated += experts.len() as u64;
-            return;
-        }
-        for &e in experts {
-            let key = (layer, e);
-            if st.cache.contains(key) {
-                continue;
-            }
-            let Ok(record) = self.record_of(layer, e) else {
-                continue;
-            };
-            let evictable = |k: ExpertKey| k.0 != layer && k.0 + 1 != layer;
-            match self.submit(&mut st, key, record, Lane::Prefetch, &evictable) {
-                Ok(true) => {}
-                Ok(false) | Err(_) => break,
-            }
-        }
-    }
-
-    /// Submit a read of `key` (record `record`) on `lane` within the budget; `Ok(false)` when
-    /// there is no room.
-    pub(crate) fn submit(
-        &self,
-        st: &mut StoreState,
-        key: ExpertKey,
-        record: usize,
-        lane: Lane,
-        evictable: &dyn Fn(ExpertKey) -> bool,
-    ) -> Result<bool> {
-        let len = self.engine.record(record).len;
-        let need = align_up(len.max(1));
-        let dest = match st
-            .cache
-            .reserve(key, need, lane == Lane::Prefetch, evictable)
-        {
-            Ok(Some(b)) => b,
-            Ok(None) => AlignedBuf::zeroed(len as usize),
-            Err(_) => return Ok(false),
-        };
-        match self.engine.submit(
-            Target::Record(record),
-            lane,
-            key_tag(key),
-            self.tx.clone(),
-            Some(dest),
-        ) {
-            Ok(t) => {
-                st.tickets.insert(key, t);
-                if lane == Lane::Prefetch {
-                    st.stats.prefetch_reads += 1;
-                }
-                Ok(true)
-            }
-            Err(source) => {
-                st.cache.abort(key);
-                Err(StorageError::ExpertRead {
-                    layer: key.0,
-                    expert: key.1,
-                    source: Box::new(source),
-                })
-            }
-        }
-    }
-
-    /// Apply one completion: the key it was for and, on failure, the error.
-    pub(crate) fn land(
-        &self,
-        st: &mut StoreState,
-        c: Completion,
-    ) -> (ExpertKey, Option<StorageError>) {
-        let key = tag_key(c.tag);
-        st.tickets.remove(&key);
-        st.clock += 1;
-        let now = st.clock;
-        match c.result {
-            Ok(loaded) => {
-                let buf = loaded.buf.into_owned();
-                let len = buf.len() as u64;
-                if st.cache.land(key, Some(buf), now) {
-                    st.stats.reads += 1;
-                    st.stats.read_bytes += len;
-                }
-                (key, None)
-            }
-            Err(e) => {
-                st.cache.land(key, None, now);
-                (key, Some(e))
-            }
-        }
     }
 }

@@ -1,4 +1,6 @@
-//! [`ExpertBatch`]: one layer's requested experts, yielded as they become available.
+//! Reading routed experts: [`ExpertStore::fetch`] (a layer's experts as an [`ExpertBatch`],
+//! yielded as they become available), [`ExpertStore::prefetch`], and the submission and
+//! landing of the reads behind both.
 //!
 //! At the start the batch scores the layer's prediction, cancels mispredicted prefetches that
 //! have not started, promotes wanted ones, and sorts the experts into cached, in flight and to
@@ -11,10 +13,11 @@ use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use crate::buffer::AlignedBuf;
-use crate::engine::Lane;
+use crate::engine::{Completion, Lane, Target};
 use crate::error::{Result, StorageError};
 use crate::manifest::RecordTensor;
 use crate::store::cache::{ExpertKey, Lookup};
+use crate::store::expert_store::{key_tag, tag_key};
 use crate::store::expert_store::{ExpertStore, StoreState};
 use crate::stripe::align_up;
 
@@ -37,6 +40,115 @@ impl LandedExpert<'_> {
     pub fn tensor_bytes(&self, t: &RecordTensor) -> Option<&[u8]> {
         let end = t.offset.checked_add(t.len)?;
         self.buf.get(t.offset as usize..end as usize)
+    }
+}
+
+impl ExpertStore {
+    /// Start reading `experts` of `layer` on the prefetch lane (those not cached or in flight),
+    /// likeliest first, as far as the budget allows without evicting experts of `layer` or the
+    /// layer before it; nothing while the predictions' measured precision is too low.
+    pub fn prefetch(&self, layer: u32, experts: &[u32]) {
+        let mut st = self.lock();
+        if !st.gate.predict(layer, experts) {
+            st.stats.prefetch_gated += experts.len() as u64;
+            return;
+        }
+        for &e in experts {
+            let key = (layer, e);
+            if st.cache.contains(key) {
+                continue;
+            }
+            let Ok(record) = self.record_of(layer, e) else {
+                continue;
+            };
+            let evictable = |k: ExpertKey| k.0 != layer && k.0 + 1 != layer;
+            match self.submit(&mut st, key, record, Lane::Prefetch, &evictable) {
+                Ok(true) => {}
+                Ok(false) | Err(_) => break,
+            }
+        }
+    }
+
+    /// Submit a read of `key` (record `record`) on `lane` within the budget; `Ok(false)` when
+    /// there is no room in the budget or no room for one more read outstanding.
+    pub(crate) fn submit(
+        &self,
+        st: &mut StoreState,
+        key: ExpertKey,
+        record: usize,
+        lane: Lane,
+        evictable: &dyn Fn(ExpertKey) -> bool,
+    ) -> Result<bool> {
+        // A read's completion must have room on the channel (see `ExpertStore::open`).
+        if st.tickets.len() >= self.max_outstanding {
+            return Ok(false);
+        }
+        let len = self.engine().record(record).len;
+        let need = align_up(len.max(1));
+        let dest = match st
+            .cache
+            .reserve(key, need, lane == Lane::Prefetch, evictable)
+        {
+            Ok(Some(b)) => b,
+            Ok(None) => AlignedBuf::zeroed(len as usize),
+            Err(_) => return Ok(false),
+        };
+        match self.engine().submit(
+            Target::Record(record),
+            lane,
+            key_tag(key),
+            self.tx.clone(),
+            Some(dest),
+        ) {
+            Ok(t) => {
+                st.tickets.insert(key, t);
+                if lane == Lane::Prefetch {
+                    st.stats.prefetch_reads += 1;
+                }
+                Ok(true)
+            }
+            Err(source) => {
+                st.cache.abort(key);
+                Err(StorageError::ExpertRead {
+                    layer: key.0,
+                    expert: key.1,
+                    source: Box::new(source),
+                })
+            }
+        }
+    }
+
+    /// Apply one completion: the key it was for and, on failure, the error.
+    pub(crate) fn land(
+        &self,
+        st: &mut StoreState,
+        c: Completion,
+    ) -> (ExpertKey, Option<StorageError>) {
+        let key = tag_key(c.tag);
+        st.tickets.remove(&key);
+        st.clock += 1;
+        let now = st.clock;
+        match c.result {
+            Ok(loaded) => {
+                let buf = loaded.buf.into_owned();
+                let len = buf.len() as u64;
+                if st.cache.land(key, Some(buf), now) {
+                    st.stats.reads += 1;
+                    st.stats.read_bytes += len;
+                }
+                (key, None)
+            }
+            Err(e) => {
+                st.cache.land(key, None, now);
+                (key, Some(e))
+            }
+        }
+    }
+
+    /// Routed experts `experts` of `layer`, each yielded once as it becomes available.
+    /// Unknown experts are refused before anything is read.
+    pub fn fetch(&self, layer: u32, experts: &[u32]) -> Result<ExpertBatch<'_>> {
+        ExpertBatch::start(self, layer, experts)
     }
 }
 

@@ -1,0 +1,132 @@
+//! The expert store end to end over a layout in temp folders: what `fetch` hands over is the
+//! checkpoint's bytes, and no interleaving of prefetches, cancels and budget changes can block
+//! it (the completion channel is bounded).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::{drives, naming, opts, write_model, MODEL_A};
+use deltafin_storage::checkpoint::Checkpoint;
+use deltafin_storage::expert_parts::{expert_sources, ExpertSource};
+use deltafin_storage::layout::{write_layout, NoProgress};
+use deltafin_storage::store::{ExpertStore, StoreOptions};
+use deltafin_storage::stripe::Mode;
+
+/// Run `f` on its own thread; fail if it has not finished within a minute (a deadlock).
+fn within_a_minute(what: &str, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = mpsc::channel();
+    let handle = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(()) => handle.join().unwrap(),
+        // The thread panicked: re-raise its panic.
+        Err(mpsc::RecvTimeoutError::Disconnected) => handle.join().unwrap(),
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{what}: still blocked after a minute"),
+    }
+}
+
+/// Fetch `experts` of `layer` and check every part against the checkpoint.
+fn fetch_and_check(
+    store: &ExpertStore,
+    ckpt: &Checkpoint,
+    sources: &[ExpertSource],
+    layer: u32,
+    experts: &[u32],
+) {
+    let mut seen = Vec::new();
+    for landed in store.fetch(layer, experts).unwrap() {
+        let landed = landed.unwrap();
+        let src = sources
+            .iter()
+            .find(|s| s.layer == layer && s.expert == landed.expert)
+            .unwrap();
+        for (t, p) in landed.tensors.iter().zip(&src.parts) {
+            assert_eq!(t.name, p.part);
+            assert_eq!(
+                landed.tensor_bytes(t).unwrap(),
+                ckpt.slice(p.file, p.offset, p.len),
+                "layer {layer} expert {} {}",
+                landed.expert,
+                t.name
+            );
+        }
+        seen.push(landed.expert);
+    }
+    seen.sort_unstable();
+    let mut want = experts.to_vec();
+    want.sort_unstable();
+    assert_eq!(seen, want, "layer {layer}");
+}
+
+/// Lay MODEL_A out striped over two drives; the store opens it with `store_opts`.
+fn setup(root: &std::path::Path, store_opts: StoreOptions) -> (ExpertStore, Checkpoint) {
+    let ckpt = write_model(&root.join("ckpt"), MODEL_A, 7);
+    let ds = drives(root, 2);
+    write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 4096), &NoProgress).unwrap();
+    let store = ExpertStore::open(&ds[0].join("m"), &store_opts).unwrap();
+    (store, ckpt)
+}
+
+/// Prefetches of a whole layer, most of them then cancelled as mispredicted, with room for
+/// only two reads outstanding and a budget raised after opening (as `generate` does): every
+/// completion, including those a cancel sends from the fetching thread, has room.
+#[test]
+fn cancelled_prefetches_never_block_the_fetch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (store, ckpt) = setup(
+        tmp.path(),
+        StoreOptions {
+            threads_per_drive: 2,
+            buffer_cap_bytes: 0,
+            max_outstanding_reads: 2,
+            ..StoreOptions::default()
+        },
+    );
+    within_a_minute("prefetch + cancel", move || {
+        let sources = expert_sources(&ckpt, &naming()).unwrap();
+        store.set_cap(64 << 20);
+        let all: Vec<u32> = (0..MODEL_A.experts as u32).collect();
+        for round in 0..3u32 {
+            for layer in MODEL_A.first_moe as u32..MODEL_A.layers as u32 {
+                store.prefetch(layer, &all);
+                let wanted = [round, 5 + round, 9 + round];
+                fetch_and_check(&store, &ckpt, &sources, layer, &wanted);
+                // The next layer's prediction is wrong on purpose.
+                store.prefetch(layer + 1, &all[8..]);
+            }
+        }
+        let stats = store.stats();
+        assert!(stats.fetch.prefetch_cancelled > 0, "{stats:?}");
+    });
+}
+
+/// A budget of one expert and one read outstanding: every expert of every layer still comes
+/// through, correct, one at a time.
+#[test]
+fn one_read_at_a_time_serves_every_expert() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (store, ckpt) = setup(
+        tmp.path(),
+        StoreOptions {
+            threads_per_drive: 1,
+            buffer_cap_bytes: 0,
+            max_outstanding_reads: 1,
+            ..StoreOptions::default()
+        },
+    );
+    within_a_minute("one read at a time", move || {
+        let sources = expert_sources(&ckpt, &naming()).unwrap();
+        let largest = store.manifest().largest_expert_record();
+        store.set_cap(largest.next_multiple_of(4096));
+        let all: Vec<u32> = (0..MODEL_A.experts as u32).collect();
+        for layer in MODEL_A.first_moe as u32..MODEL_A.layers as u32 {
+            store.prefetch(layer, &all[..4]);
+            fetch_and_check(&store, &ckpt, &sources, layer, &all);
+        }
+    });
+}
