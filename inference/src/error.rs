@@ -9,7 +9,7 @@ pub enum ConfigError {
     NotAnObject,
     #[error("config.json has no string field `model_type`")]
     MissingModelType,
-    #[error("model_type `{0}` is not supported (supported: deepseek_v3, kimi_k2, qwen3_moe)")]
+    #[error("model_type `{0}` is not supported (supported: deepseek_v3, kimi_k2, qwen3_moe, kimi_linear, kimi_k3)")]
     UnsupportedModelType(String),
     #[error("config.json ({model_type}): required field `{field}` is missing or null")]
     MissingField { model_type: String, field: String },

@@ -8,7 +8,13 @@ use serde_json::Value;
 use crate::error::ConfigError;
 
 /// `model_type`s this engine runs.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["deepseek_v3", "kimi_k2", "qwen3_moe"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
+    "deepseek_v3",
+    "kimi_k2",
+    "qwen3_moe",
+    "kimi_linear",
+    "kimi_k3",
+];
 
 /// The config's `model_type`, if this engine runs it.
 pub fn model_type(config: &Value) -> Result<&str, ConfigError> {
@@ -46,6 +52,19 @@ pub fn expert_naming(config: &Value) -> Result<ExpertNaming, ConfigError> {
             fused_experts: fused("num_experts"),
             ..ExpertNaming::hf("mlp.experts.")
         }),
+        "kimi_linear" => Ok(ExpertNaming {
+            fused_experts: fused("num_experts"),
+            ..ExpertNaming::hf("block_sparse_moe.experts.")
+        }),
+        "kimi_k3" => {
+            let text = crate::config::kimi::text_config(config)?;
+            Ok(ExpertNaming {
+                layers_prefix: "language_model.model.layers.".into(),
+                experts_prefix: "block_sparse_moe.experts.".into(),
+                fused_experts: text.get("num_experts").and_then(Value::as_u64),
+                skipped_prefixes: vec!["vision_tower.".into(), "mm_projector.".into()],
+            })
+        }
         other => Err(ConfigError::UnsupportedModelType(other.to_string())),
     }
 }

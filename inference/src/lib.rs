@@ -1,6 +1,7 @@
-//! deltafin-inference: a CPU forward pass for DeepSeek-V3 / Kimi K2 (`deepseek_v3`, `kimi_k2`)
-//! and Qwen3-MoE (`qwen3_moe`) that matches Hugging Face transformers (f32 compute from
-//! BF16/F16/F32, block-FP8, INT4 pack-quantized or MXFP4 weights).
+//! deltafin-inference: a CPU forward pass for DeepSeek-V3 / Kimi K2 (`deepseek_v3`, `kimi_k2`),
+//! Qwen3-MoE (`qwen3_moe`), Kimi Linear (`kimi_linear`) and Kimi K3 (`kimi_k3`) that matches
+//! the reference implementations (f32 compute from BF16/F16/F32, block-FP8, INT4
+//! pack-quantized, MXFP4 or Q8 weights).
 //!
 //! # Using it
 //!
@@ -37,9 +38,11 @@
 //!
 //! # Pieces
 //!
-//! - [`config`]: [`ModelConfig`] / [`DeepseekV3Config`] / [`Qwen3MoeConfig`] with Hugging Face
-//!   field names and transformers' defaults; both `rope_scaling` (`type`/`rope_type`) and
-//!   transformers-5 `rope_parameters`. Errors name the field ([`ConfigError`]).
+//! - [`config`]: [`ModelConfig`] / [`DeepseekV3Config`] / [`Qwen3MoeConfig`] /
+//!   [`config::KimiConfig`] (Kimi Linear and Kimi K3, whose `text_config` is unwrapped) with
+//!   Hugging Face field names and transformers' defaults; both `rope_scaling`
+//!   (`type`/`rope_type`) and transformers-5 `rope_parameters`. Errors name the field
+//!   ([`ConfigError`]); a Kimi key this crate does not implement is refused by name.
 //! - [`weights`]: the [`WeightSource`] trait the forward pass reads through: resident tensors by
 //!   name, routed experts per layer through a callback ([`ExpertView`] = parts relative to
 //!   `model.layers.L.mlp.experts.E.`, or fused `gate_up_proj`/`down_proj` slices).
@@ -52,13 +55,17 @@
 //!   [`linear::WeightFormat`] variants decoded row by row.
 //! - [`mixer`]: token mixers ([`mixer::TokenMixer`]) each owning its per-sequence state type
 //!   ([`mixer::MixerState`]): [`mixer::MlaAttention`] (DeepSeek MLA; caches the normalised
-//!   latent and the rope key, `kv_b_proj` absorbed) and [`mixer::GqaAttention`] (Qwen3: q/k norm,
-//!   GQA, caches K/V).
+//!   latent and the rope key, `kv_b_proj` absorbed; Kimi's NoPE variant with an output gate),
+//!   [`mixer::GqaAttention`] (Qwen3: q/k norm, GQA, caches K/V) and [`mixer::KdaAttention`]
+//!   (Kimi Delta Attention: short convolutions, per-channel forget gate, gated delta rule; a
+//!   fixed-size recurrent state per head that rolls back by replaying recorded positions).
 //! - [`ffn`]: [`ffn::FeedForward`] modules: [`ffn::DenseMlp`] and [`ffn::MoeFfn`] with a pluggable
 //!   [`ffn::Router`] ([`ffn::NoauxTcRouter`] for DeepSeek-V3, [`ffn::SoftmaxTopKRouter`] for
-//!   Qwen3) and optional shared experts. Activations are [`ops::Activation`] trait objects.
+//!   Qwen3) and optional shared experts and latent projection (Kimi K3's latent MoE).
+//!   Activations are [`ops::Activation`] trait objects (SiLU, GELU, Kimi K3's SiTU).
 //! - [`model`]: [`Model`], [`Session`], [`model::DecoderLayer`] and the [`model::ResidualMixer`]
-//!   trait (plain residual add by default). New architectures assemble
+//!   trait (plain residual add by default; Kimi K3's block attention residuals in
+//!   `model/attn_res.rs`). New architectures assemble
 //!   [`model::ModelParts`] and call [`Model::from_parts`]; [`arch`] holds the builders.
 //! - [`rope`]: default / linear / YaRN / llama3 frequencies, interleaved or half-split layout.
 //! - [`sampler`] and [`generate()`]: greedy, temperature, top-k, top-p with a seeded PCG32.

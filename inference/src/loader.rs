@@ -20,12 +20,16 @@ pub(crate) struct Loader<'a> {
     pub kernels: KernelConfig,
     /// How the checkpoint names routed experts (errors name expert tensors through it).
     pub naming: ExpertNaming,
+    /// Prepended to every tensor name (`language_model.` for Kimi K3's wrapper).
+    pub prefix: &'static str,
 }
 
 impl<'a> Loader<'a> {
     /// The matrix `{prefix}.weight` (or its packed parts) as a `[rows, cols]` matrix.
     pub fn matrix(&self, prefix: &str, rows: usize, cols: usize) -> Result<WeightMatrix<'a>> {
         let src = self.src;
+        let prefix = format!("{}{prefix}", self.prefix);
+        let prefix = prefix.as_str();
         let get = |n: &str| try_tensor(src, n);
         let full = |n: &str| n.to_string();
         Ok(resolve_matrix(
@@ -54,6 +58,7 @@ impl<'a> Loader<'a> {
 
     /// A float vector of exactly `len` elements.
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let name = &format!("{}{name}", self.prefix);
         let t = self.src.tensor(name)?;
         if t.shape != [len as u64] {
             return Err(InferenceError::TensorShape {
@@ -66,6 +71,30 @@ impl<'a> Loader<'a> {
     }
 
     pub fn norm(&self, name: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
-        RmsNorm::load(self.src, name, dim, eps)
+        RmsNorm::load(self.src, &format!("{}{name}", self.prefix), dim, eps)
+    }
+
+    /// A float tensor of exactly `shape`, flattened.
+    pub fn tensor_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let name = &format!("{}{name}", self.prefix);
+        let t = self.src.tensor(name)?;
+        let want: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+        if t.shape != want.as_slice() {
+            return Err(InferenceError::TensorShape {
+                name: name.to_string(),
+                expected: want,
+                got: t.shape.to_vec(),
+            });
+        }
+        tensor_to_f32(&t, name)
+    }
+
+    /// A float tensor of any shape, flattened, with its name as the source holds it (for
+    /// checks whose errors must name it).
+    pub fn any_f32(&self, name: &str) -> Result<(String, Vec<u64>, Vec<f32>)> {
+        let name = format!("{}{name}", self.prefix);
+        let t = self.src.tensor(&name)?;
+        let v = tensor_to_f32(&t, &name)?;
+        Ok((name, t.shape.to_vec(), v))
     }
 }

@@ -130,6 +130,30 @@ impl Activation for HiddenAct {
     }
 }
 
+/// SiTU (Kimi K3): `[beta * tanh(g / beta) * sigmoid(g)] * [linear_beta * tanh(u / linear_beta)]`,
+/// the sigmoid taken of the raw gate; without `linear_beta` the up branch is not clipped.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Situ {
+    pub beta: f32,
+    pub linear_beta: Option<f32>,
+}
+
+impl Activation for Situ {
+    #[inline]
+    fn apply(&self, g: f32) -> f32 {
+        self.beta * (g / self.beta).tanh() * sigmoid(g)
+    }
+
+    #[inline]
+    fn gated(&self, g: f32, u: f32) -> f32 {
+        let up = match self.linear_beta {
+            Some(b) => b * (u / b).tanh(),
+            None => u,
+        };
+        self.apply(g) * up
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -143,5 +167,23 @@ mod tests {
         assert!(v[2] > v[1] && v[1] > v[0]);
         assert!((erf(0.5) - 0.520_499_877_8).abs() < 2e-7);
         assert!((erf(-1.5) + 0.966_105_146_5).abs() < 2e-7);
+    }
+
+    #[test]
+    fn situ_clips_both_branches() {
+        let a = Situ {
+            beta: 4.0,
+            linear_beta: Some(25.0),
+        };
+        // Small inputs: close to silu(g) * u.
+        let (g, u) = (0.3f32, -0.7f32);
+        assert!((a.gated(g, u) - g * sigmoid(g) * u).abs() < 1e-3);
+        // Large ones saturate at beta * 1 and linear_beta.
+        assert!((a.gated(100.0, 1000.0) - 4.0 * 25.0).abs() < 1e-3);
+        let b = Situ {
+            beta: 4.0,
+            linear_beta: None,
+        };
+        assert!((b.gated(100.0, 1000.0) - 4000.0).abs() < 1e-1);
     }
 }

@@ -10,7 +10,9 @@
 //! model      32 bytes model_hash(): blake3 of config, resident tensor samples and caller bytes
 //! tokens     u64 n, then n x u32          token history (= positions held by the states)
 //! layers     u32 L, then per layer:
-//!              u32 A (arrays), then per array: u64 count, count x f32
+//!              u32 A (per-position arrays), then per array: u64 count, count x f32
+//!              (version >= 3) u32 F (fixed-size arrays: a recurrent state), then per array:
+//!              u64 count, count x f32
 //! outputs    (version >= 2) u8 recorded (0/1), u64 first position s, u64 count,
 //!              count = (n - s) x hidden f32: the last layer's output of positions s..n
 //! checksum   32 bytes blake3 of every byte before it
@@ -36,7 +38,7 @@ use crate::model::session::{OutputStates, Session};
 /// First bytes of every snapshot file.
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"DFSNAP\r\n";
 /// The format version this build writes (and the newest it reads).
-pub const SNAPSHOT_VERSION: u32 = 2;
+pub const SNAPSHOT_VERSION: u32 = 3;
 const CHECKSUM_LEN: usize = 32;
 const HEADER_LEN: usize = 8 + 4 + 32;
 
@@ -152,11 +154,14 @@ pub fn write_snapshot<W: Write>(
         let arrays = s.export_arrays().ok_or_else(|| {
             SnapshotError::Unsupported(format!("layer {i}'s mixer state has no snapshot hook"))
         })?;
+        let fixed = s.export_fixed();
         (|| -> std::io::Result<()> {
-            put(&(arrays.len() as u32).to_le_bytes())?;
-            for a in &arrays {
-                put(&(a.len() as u64).to_le_bytes())?;
-                put_f32s(&mut put, a)?;
+            for group in [&arrays, &fixed] {
+                put(&(group.len() as u32).to_le_bytes())?;
+                for a in group.iter() {
+                    put(&(a.len() as u64).to_le_bytes())?;
+                    put_f32s(&mut put, a)?;
+                }
             }
             Ok(())
         })()
@@ -325,7 +330,36 @@ pub fn decode(bytes: &[u8], model: &Model, hash: &[u8; 32]) -> SnapshotResult<(S
                     .collect();
                 arrays.push(data);
             }
-            state.import_arrays(n, arrays)?;
+            let sizes = layer.mixer.fixed_state_sizes();
+            let mut fixed = Vec::with_capacity(sizes.len());
+            if version >= 3 {
+                let count = r.u32("fixed array count")? as usize;
+                if count != sizes.len() {
+                    return Err(SnapshotError::Malformed(format!(
+                        "layer {i}: {count} fixed state arrays; expected {}",
+                        sizes.len()
+                    )));
+                }
+                for (a, &want) in sizes.iter().enumerate() {
+                    let c = r.count("fixed array length", 4)?;
+                    if c != want {
+                        return Err(SnapshotError::Malformed(format!(
+                            "layer {i} fixed array {a}: {c} values; expected {want}"
+                        )));
+                    }
+                    fixed.push(
+                        r.take(c * 4, "fixed state array")?
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect::<Vec<f32>>(),
+                    );
+                }
+            } else if !sizes.is_empty() {
+                return Err(SnapshotError::Malformed(format!(
+                    "layer {i}: a version {version} snapshot holds no recurrent state"
+                )));
+            }
+            state.import_arrays(n, arrays, fixed)?;
         }
         *len = n;
     }
@@ -442,8 +476,10 @@ pub fn load(path: &Path, model: &Model, hash: &[u8; 32]) -> SnapshotResult<(Sess
 /// Keep the longest prefix of `history` (the positions `session` holds) that `prompt` starts
 /// with. The whole prompt is kept only when the session recorded the output of its last
 /// position (the first new token's logits come from it, [`Model::logits_from_recorded`]);
-/// otherwise at least one prompt token is left to feed. Truncates `session` (no copy) and
-/// returns how many prompt tokens it already holds.
+/// otherwise at least one prompt token is left to feed. A recurrent state (KDA) is known only
+/// at the end of the history, so with one the prefix is kept only when the prompt extends the
+/// whole history; otherwise the session starts over. Truncates `session` (no copy) and returns
+/// how many prompt tokens it already holds.
 pub fn reuse_prefix(
     session: &mut Session,
     history: &[u32],
@@ -457,6 +493,9 @@ pub fn reuse_prefix(
     let mut keep = common.min(prompt.len()).min(session.len());
     if keep == prompt.len() && !(keep > 0 && session.has_output(keep - 1)) {
         keep = keep.saturating_sub(1);
+    }
+    if !session.can_truncate(keep) {
+        keep = 0;
     }
     session.truncate(keep)?;
     Ok(keep)

@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use common::{argmax, assert_close, fixture_dir, max_abs_diff, Reference};
+use deltafin_inference::kernels::{Isa, KernelConfig};
 use deltafin_inference::{DirSource, ForwardTrace, LogitsMode, Model};
 
 struct Report {
@@ -16,9 +17,13 @@ struct Report {
 }
 
 fn check_fixture(name: &str) -> Report {
+    check_fixture_on(name, KernelConfig::default())
+}
+
+fn check_fixture_on(name: &str, kernels: KernelConfig) -> Report {
     let dir = fixture_dir(name);
     let src = Arc::new(DirSource::open(&dir).unwrap());
-    let model = Model::load(src).unwrap();
+    let model = Model::load_with(src, kernels).unwrap();
     let r = Reference::open(&dir.join("reference.safetensors"));
     let vocab = model.vocab_size();
     let hidden = model.hidden_size();
@@ -122,6 +127,34 @@ fn qwen3_moe_a_matches_transformers() {
     assert!(r.prompt_err < 1e-3 && r.step_err < 1e-3);
 }
 
+/// Every instruction set this machine runs, in one process: each model carries the kernels it
+/// was loaded with (they used to be latched from the environment once per process).
+#[test]
+fn every_instruction_set_matches_in_one_process() {
+    let mut done = Vec::new();
+    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+        let k = KernelConfig::with_isa(isa);
+        if k.isa != isa {
+            continue; // not on this machine
+        }
+        for name in [
+            "deepseek_v3_a",
+            "qwen3_moe_a",
+            "deepseek_v3_fp8",
+            "deepseek_v3_int4",
+            "deepseek_v3_mxfp4",
+        ] {
+            let r = check_fixture_on(name, k);
+            eprintln!(
+                "{isa:?} {name}: prompt {:.2e} step {:.2e}",
+                r.prompt_err, r.step_err
+            );
+        }
+        done.push(isa);
+    }
+    assert!(done.contains(&Isa::Scalar) && done.len() >= 2, "{done:?}");
+}
+
 #[test]
 fn rope_and_softmax_scale_match_reference() {
     use deltafin_inference::arch::{deepseek_rope_and_scale, qwen_rope_and_scale};
@@ -133,6 +166,7 @@ fn rope_and_softmax_scale_match_reference() {
         let (rope, scale) = match ModelConfig::from_json(&cfg).unwrap() {
             ModelConfig::DeepseekV3(c) => deepseek_rope_and_scale(&c).unwrap(),
             ModelConfig::Qwen3Moe(c) => qwen_rope_and_scale(&c).unwrap(),
+            ModelConfig::Kimi(_) => unreachable!("{name} is not a Kimi fixture"),
         };
         let r = Reference::open(&dir.join("reference.safetensors"));
         let inv = r.f32("rope_inv_freq");

@@ -450,3 +450,47 @@ fn mxfp4_special_scales_match_reference() {
         }
     }
 }
+
+/// The kernels a matrix carries decide its path, per matrix and in one process: each config's
+/// product equals `matmul_with` on that config's ISA and activation precision, bit for bit.
+#[test]
+fn a_matrix_runs_the_kernels_it_carries() {
+    use deltafin_inference::kernels::KernelConfig;
+    use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
+    let (rows, cols) = (64, 1024);
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 0.001)
+        .collect();
+    let q = quant::quantize_int4(&w, rows, cols, 32);
+    let x: Vec<f32> = (0..cols)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.02)
+        .collect();
+    let base = WeightMatrix::new(
+        rows,
+        cols,
+        WeightFormat::Int4 { group: 32 },
+        &q.data,
+        &q.scale,
+        ScaleType::Bf16,
+    )
+    .unwrap();
+    let mut outs = Vec::new();
+    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+        let k = KernelConfig::with_isa(isa);
+        if k.isa != isa {
+            continue;
+        }
+        let m = base.with_kernels(k);
+        let mut got = vec![0f32; rows];
+        m.matvec(&x, &mut got);
+        let mut want = vec![0f32; rows];
+        kernels::matmul_with(isa, &base, &x, 1, &mut want, k.act(m.format()));
+        assert_eq!(got, want, "{isa:?}");
+        outs.push((isa, got));
+    }
+    if outs.len() > 1 {
+        // Scalar (f32 activations) and a SIMD path (16-bit activations on x86) differ in their
+        // last bits: the two configs really ran two paths.
+        assert_ne!(outs[0].1, outs[1].1, "{:?} vs {:?}", outs[0].0, outs[1].0);
+    }
+}

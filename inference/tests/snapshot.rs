@@ -300,20 +300,59 @@ fn corrupt_outputs_section_is_refused() {
     }
 }
 
-/// Version 1 files (written before the outputs section existed) still load.
+/// A version 3 snapshot of a model without recurrent state, rewritten without the per-layer
+/// fixed-array counts (all zero) that version 3 added: a version 2 body, checksum dropped.
+fn v2_body(v3: &[u8]) -> Vec<u8> {
+    let body = &v3[..v3.len() - 32];
+    let u32_at = |i: usize| u32::from_le_bytes(body[i..i + 4].try_into().unwrap()) as usize;
+    let u64_at = |i: usize| u64::from_le_bytes(body[i..i + 8].try_into().unwrap()) as usize;
+    let mut pos = 8 + 4 + 32;
+    pos += 8 + 4 * u64_at(pos);
+    let layers = u32_at(pos);
+    pos += 4;
+    let mut out = body[..pos].to_vec();
+    for _ in 0..layers {
+        let start = pos;
+        let arrays = u32_at(pos);
+        pos += 4;
+        for _ in 0..arrays {
+            pos += 8 + 4 * u64_at(pos);
+        }
+        out.extend_from_slice(&body[start..pos]);
+        assert_eq!(
+            u32_at(pos),
+            0,
+            "a fixed-size state: no older version can hold it"
+        );
+        pos += 4;
+    }
+    out.extend_from_slice(&body[pos..]);
+    out
+}
+
+fn seal(mut body: Vec<u8>, version: u32) -> Vec<u8> {
+    body[8..12].copy_from_slice(&version.to_le_bytes());
+    let sum = *blake3::hash(&body).as_bytes();
+    body.extend_from_slice(&sum);
+    body
+}
+
+/// Version 1 files (written before the outputs section existed) and version 2 files (before
+/// recurrent states) still load.
 #[test]
-fn version_1_snapshots_still_load() {
+fn version_1_and_2_snapshots_still_load() {
     let model = load("deepseek_v3_a");
     let hash = model_hash(&model, b"");
     let toks = prompt(9);
-    let v2 = snap(&model, &toks);
-    // Drop the empty outputs section (flag, start, count) and the checksum; re-seal as v1.
-    let mut v1 = v2[..v2.len() - 32 - 17].to_vec();
-    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
-    let sum = *blake3::hash(&v1).as_bytes();
-    v1.extend_from_slice(&sum);
-    let (s, hist) = decode(&v1, &model, &hash).unwrap();
-    assert_eq!(hist, toks);
-    assert_eq!(s.len(), toks.len());
-    assert!(!s.has_output(toks.len() - 1));
+    let v3 = snap(&model, &toks);
+    let v2 = v2_body(&v3);
+    // Version 1: no outputs section (flag, start, count; empty here).
+    let v1 = seal(v2[..v2.len() - 17].to_vec(), 1);
+    let v2 = seal(v2, 2);
+    for (version, bytes) in [(1, &v1), (2, &v2)] {
+        let (s, hist) = decode(bytes, &model, &hash).unwrap();
+        assert_eq!(hist, toks, "v{version}");
+        assert_eq!(s.len(), toks.len(), "v{version}");
+        assert!(!s.has_output(toks.len() - 1), "v{version}");
+    }
 }

@@ -3,15 +3,13 @@
 
 use std::sync::Arc;
 
-use crate::arch::parts::{decoder_layer, dense_mlp, model_parts};
+use crate::arch::parts::{decoder_layer, dense_mlp, mla_attention, model_parts, MlaDims};
 use crate::config::{DeepseekV3Config, ModelConfig};
 use crate::error::Result;
-use crate::ffn::experts::{ExpertMatrixNames, RoutedExperts};
 use crate::ffn::feed_forward::FeedForward;
-use crate::ffn::moe::MoeFfn;
+use crate::ffn::moe::{ExpertMatrixNames, MoeFfn, RoutedExperts};
 use crate::ffn::router::NoauxTcRouter;
 use crate::loader::Loader;
-use crate::mixer::{MlaAttention, QProj};
 use crate::model::ModelParts;
 use crate::ops::Activation;
 use crate::rope::{yarn_get_mscale, Rope, RopeLayout};
@@ -48,42 +46,21 @@ pub(crate) fn build_deepseek_v3(
     let hd = c.hidden_size;
     let act: Arc<dyn Activation> = Arc::new(c.hidden_act);
     let (rope, scale) = deepseek_rope_and_scale(c)?;
-    let (heads, nope, rd, vd, kl) = (
-        c.num_attention_heads,
-        c.qk_nope_head_dim,
-        c.qk_rope_head_dim,
-        c.v_head_dim,
-        c.kv_lora_rank,
-    );
+    let dims = MlaDims {
+        hidden: hd,
+        heads: c.num_attention_heads,
+        q_lora_rank: c.q_lora_rank,
+        qk_nope_head_dim: c.qk_nope_head_dim,
+        qk_rope_head_dim: c.qk_rope_head_dim,
+        v_head_dim: c.v_head_dim,
+        kv_lora_rank: c.kv_lora_rank,
+        bias: c.attention_bias,
+    };
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
-        let bias = c.attention_bias;
-        let q = match c.q_lora_rank {
-            Some(r) => QProj::Lora {
-                a: ld.linear(&format!("{a}.q_a_proj"), r, hd, bias)?,
-                norm: ld.norm(&format!("{a}.q_a_layernorm.weight"), r, 1e-6)?,
-                b: ld.linear(&format!("{a}.q_b_proj"), heads * (nope + rd), r, false)?,
-            },
-            None => {
-                QProj::Direct(ld.linear(&format!("{a}.q_proj"), heads * (nope + rd), hd, false)?)
-            }
-        };
-        let mixer = MlaAttention {
-            num_heads: heads,
-            qk_nope_head_dim: nope,
-            qk_rope_head_dim: rd,
-            v_head_dim: vd,
-            kv_lora_rank: kl,
-            q,
-            kv_a_proj_with_mqa: ld.linear(&format!("{a}.kv_a_proj_with_mqa"), kl + rd, hd, bias)?,
-            kv_a_layernorm: ld.norm(&format!("{a}.kv_a_layernorm.weight"), kl, 1e-6)?,
-            kv_b_proj: ld.linear(&format!("{a}.kv_b_proj"), heads * (nope + vd), kl, false)?,
-            o_proj: ld.linear(&format!("{a}.o_proj"), hd, heads * vd, bias)?,
-            rope: rope.clone(),
-            softmax_scale: scale,
-        };
+        let mixer = mla_attention(&ld, &a, &dims, Some(rope.clone()), scale, None)?;
         let ffn: Box<dyn FeedForward> = if c.is_moe_layer(l) {
             let m = format!("{p}.mlp");
             let e = c.n_routed_experts;
@@ -95,6 +72,9 @@ pub(crate) fn build_deepseek_v3(
                 top_k: c.num_experts_per_tok,
                 norm_topk_prob: c.norm_topk_prob,
                 routed_scaling_factor: c.routed_scaling_factor as f32,
+                softmax_scores: false,
+                dropped_group_score: 0.0,
+                renormalize_single: true,
             };
             let shared = if c.n_shared_experts > 0 {
                 Some(dense_mlp(
@@ -119,6 +99,7 @@ pub(crate) fn build_deepseek_v3(
                 ),
                 shared_experts: shared,
                 act: act.clone(),
+                latent: None,
             })
         } else {
             Box::new(dense_mlp(

@@ -9,9 +9,10 @@ use crate::ffn::dense::DenseMlp;
 use crate::ffn::feed_forward::FeedForward;
 use crate::linear::owned::Linear;
 use crate::loader::Loader;
-use crate::mixer::TokenMixer;
+use crate::mixer::{MlaAttention, QProj, TokenMixer};
 use crate::model::{AddResidual, DecoderLayer, ModelParts};
 use crate::ops::Activation;
+use crate::rope::Rope;
 
 pub(crate) fn dense_mlp(
     ld: &Loader<'_>,
@@ -84,5 +85,60 @@ pub(crate) fn model_parts(
         norm: ld.norm("model.norm.weight", hidden, eps)?,
         lm_head,
         residual: Box::new(AddResidual),
+    })
+}
+
+/// The sizes of an MLA block, as the DeepSeek-V3 and Kimi configs name them.
+pub(crate) struct MlaDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub q_lora_rank: Option<usize>,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub kv_lora_rank: usize,
+    /// Biases on `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`.
+    pub bias: bool,
+}
+
+/// An MLA block's projections under `a` (`...self_attn`): DeepSeek's with `rope`, Kimi's NoPE
+/// form without, K3's with an `output_gate`.
+pub(crate) fn mla_attention(
+    ld: &Loader<'_>,
+    a: &str,
+    d: &MlaDims,
+    rope: Option<Rope>,
+    softmax_scale: f32,
+    output_gate: Option<Linear>,
+) -> Result<MlaAttention> {
+    let (hd, heads, bias) = (d.hidden, d.heads, d.bias);
+    let (nope, rd, vd, kl) = (
+        d.qk_nope_head_dim,
+        d.qk_rope_head_dim,
+        d.v_head_dim,
+        d.kv_lora_rank,
+    );
+    let q = match d.q_lora_rank {
+        Some(r) => QProj::Lora {
+            a: ld.linear(&format!("{a}.q_a_proj"), r, hd, bias)?,
+            norm: ld.norm(&format!("{a}.q_a_layernorm.weight"), r, 1e-6)?,
+            b: ld.linear(&format!("{a}.q_b_proj"), heads * (nope + rd), r, false)?,
+        },
+        None => QProj::Direct(ld.linear(&format!("{a}.q_proj"), heads * (nope + rd), hd, false)?),
+    };
+    Ok(MlaAttention {
+        num_heads: heads,
+        qk_nope_head_dim: nope,
+        qk_rope_head_dim: rd,
+        v_head_dim: vd,
+        kv_lora_rank: kl,
+        q,
+        kv_a_proj_with_mqa: ld.linear(&format!("{a}.kv_a_proj_with_mqa"), kl + rd, hd, bias)?,
+        kv_a_layernorm: ld.norm(&format!("{a}.kv_a_layernorm.weight"), kl, 1e-6)?,
+        kv_b_proj: ld.linear(&format!("{a}.kv_b_proj"), heads * (nope + vd), kl, false)?,
+        o_proj: ld.linear(&format!("{a}.o_proj"), hd, heads * vd, bias)?,
+        rope,
+        softmax_scale,
+        output_gate,
     })
 }

@@ -5,9 +5,8 @@ use std::sync::Arc;
 use crate::arch::parts::{decoder_layer, dense_mlp, model_parts};
 use crate::config::{ModelConfig, Qwen3MoeConfig};
 use crate::error::Result;
-use crate::ffn::experts::{ExpertMatrixNames, RoutedExperts};
 use crate::ffn::feed_forward::FeedForward;
-use crate::ffn::moe::MoeFfn;
+use crate::ffn::moe::{ExpertMatrixNames, MoeFfn, RoutedExperts};
 use crate::ffn::router::SoftmaxTopKRouter;
 use crate::loader::Loader;
 use crate::mixer::GqaAttention;
@@ -71,6 +70,7 @@ pub(crate) fn build_qwen3_moe(
                 ),
                 shared_experts: None,
                 act: act.clone(),
+                latent: None,
             })
         } else {
             Box::new(dense_mlp(

@@ -7,17 +7,17 @@
 //! Routed experts are not held by the model: [`MoeFfn`] asks the [`WeightSource`] for the experts
 //! the router chose and computes each one as soon as the source hands it over.
 //!
-//! Files: [`dense`] ([`DenseMlp`]), [`router`] (routers and [`Routing`]), [`experts`] (one
-//! routed expert from its record, matrices resolved once per layer), [`moe`] ([`MoeFfn`]).
+//! Files: [`feed_forward`] (the trait), [`dense`] ([`DenseMlp`]), [`router`] (routers and
+//! [`Routing`]), [`moe`] ([`MoeFfn`] and [`RoutedExperts`], one routed expert computed from its
+//! record, matrices resolved once per layer).
 
 pub mod dense;
-pub mod experts;
 pub mod feed_forward;
 pub mod moe;
 pub mod router;
 
 pub use dense::DenseMlp;
-pub use experts::{ExpertMatrixNames, RoutedExperts};
+
 pub use feed_forward::{FeedForward, FfnContext};
-pub use moe::MoeFfn;
+pub use moe::{ExpertMatrixNames, MoeFfn, RoutedExperts};
 pub use router::{top_k_indices, NoauxTcRouter, Router, Routing, SoftmaxTopKRouter};

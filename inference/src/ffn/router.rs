@@ -38,13 +38,27 @@ pub struct NoauxTcRouter {
     pub top_k: usize,
     pub norm_topk_prob: bool,
     pub routed_scaling_factor: f32,
+    /// Scores from logits: sigmoid (DeepSeek-V3, Kimi) or softmax over the experts.
+    pub softmax_scores: bool,
+    /// Choice score of experts in dropped groups: 0 (transformers' DeepSeek-V3) or -inf
+    /// (Kimi).
+    pub dropped_group_score: f32,
+    /// Renormalise a single chosen expert's weight too (DeepSeek-V3); Kimi renormalises only
+    /// when `top_k > 1`.
+    pub renormalize_single: bool,
 }
 
 impl NoauxTcRouter {
     /// Route one position given its gate logits.
     pub fn route_logits(&self, logits: &[f32]) -> Routing {
         let e = logits.len();
-        let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+        let scores: Vec<f32> = if self.softmax_scores {
+            let mut p = logits.to_vec();
+            softmax_inplace(&mut p);
+            p
+        } else {
+            logits.iter().map(|&l| sigmoid(l)).collect()
+        };
         let choice: Vec<f32> = scores.iter().zip(&self.bias).map(|(s, b)| s + b).collect();
         let per_group = e / self.n_group;
         let group_scores: Vec<f32> = (0..self.n_group)
@@ -54,19 +68,20 @@ impl NoauxTcRouter {
             })
             .collect();
         let keep = top_k_indices(&group_scores, self.topk_group);
-        // Experts of dropped groups score 0 (transformers' masked_fill(~mask, 0.0)).
+        // Experts of dropped groups score `dropped_group_score` (transformers' DeepSeek-V3:
+        // masked_fill(~mask, 0.0); Kimi: -inf).
         let masked: Vec<f32> = (0..e)
             .map(|i| {
                 if keep.contains(&(i / per_group)) {
                     choice[i]
                 } else {
-                    0.0
+                    self.dropped_group_score
                 }
             })
             .collect();
         let experts = top_k_indices(&masked, self.top_k);
         let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
-        if self.norm_topk_prob {
+        if self.norm_topk_prob && (self.renormalize_single || self.top_k > 1) {
             let denom = weights.iter().sum::<f32>() + 1e-20;
             weights.iter_mut().for_each(|w| *w /= denom);
         }
@@ -134,6 +149,9 @@ mod tests {
             top_k,
             norm_topk_prob: true,
             routed_scaling_factor: 2.0,
+            softmax_scores: false,
+            dropped_group_score: 0.0,
+            renormalize_single: true,
         }
     }
 

@@ -335,3 +335,38 @@ fn rows_task(
         );
     }
 }
+
+/// The products of a weight matrix, on the kernels it carries.
+impl WeightMatrix<'_> {
+    /// `out[r] = dot(W[r], x)`; `x` is `[cols]`, `out` is `[rows]`.
+    pub fn matvec(&self, x: &[f32], out: &mut [f32]) {
+        self.matmul(x, 1, out)
+    }
+
+    /// `out[t, r] = dot(W[r], x[t])` for `n` inputs: `x` is `[n, cols]`, `out` is `[n, rows]`.
+    /// Each weight row is decoded once per tile of inputs, in registers, by the kernels this
+    /// matrix carries ([`WeightMatrix::kernels`]) with the activation precision they pick for
+    /// the format.
+    pub fn matmul(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        matmul(self, x, n, out)
+    }
+}
+
+/// [`WeightMatrix::matmul`] of several matrices against the same inputs in one parallel pass
+/// (inputs quantized once): `outs[i] = x @ mats[i]^T`, each as the single call gives it.
+/// Matrices of different formats run one after another, each with its own activation
+/// precision; the first matrix's kernels run them all.
+pub fn matmul_many(mats: &[&WeightMatrix<'_>], x: &[f32], n: usize, outs: &mut [&mut [f32]]) {
+    let Some(first) = mats.first() else {
+        return;
+    };
+    let format = first.format();
+    if mats.iter().any(|m| m.format() != format) {
+        for (m, out) in mats.iter().zip(outs.iter_mut()) {
+            m.matmul(x, n, out);
+        }
+        return;
+    }
+    let k = first.kernels();
+    matmul_many_with(k.isa, mats, x, n, outs, k.act(format))
+}

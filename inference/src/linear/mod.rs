@@ -18,8 +18,9 @@ pub mod matrix;
 pub mod owned;
 pub mod resolve;
 
+pub use crate::kernels::dispatch::matmul_many;
 pub use convert::{dequantize, tensor_to_f32};
 pub use deltafin_formats::{ScaleType, WeightFormat};
-pub use matrix::{matmul_many, WeightMatrix};
+pub use matrix::WeightMatrix;
 pub use owned::Linear;
 pub use resolve::QuantHints;

@@ -4,8 +4,9 @@
 use deltafin_formats::{ScaleType, WeightFormat};
 
 use crate::error::{InferenceError, Result};
+use crate::kernels::dispatch::matmul_many;
 use crate::kernels::isa::KernelConfig;
-use crate::linear::matrix::{matmul_many, WeightMatrix};
+use crate::linear::matrix::WeightMatrix;
 
 /// A weight matrix owning its bytes (resident weights), with an optional f32 bias.
 #[derive(Debug, Clone)]

@@ -10,10 +10,10 @@
 
 use rayon::prelude::*;
 
-use super::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::error::Result;
 use crate::kernels::scalar::dot;
 use crate::linear::Linear;
+use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::ops::RmsNorm;
 use crate::rope::Rope;
 
@@ -63,13 +63,22 @@ impl MixerState for KvCache {
     fn memory_bytes(&self) -> usize {
         (self.k.capacity() + self.v.capacity()) * 4
     }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
     fn export_arrays(&self) -> Option<Vec<&[f32]>> {
         Some(vec![&self.k, &self.v])
     }
-    fn import_arrays(&mut self, len: usize, arrays: Vec<Vec<f32>>) -> Result<()> {
+    fn import_arrays(
+        &mut self,
+        len: usize,
+        arrays: Vec<Vec<f32>>,
+        fixed: Vec<Vec<f32>>,
+    ) -> Result<()> {
+        check_import(0, &fixed, 0)?;
         check_import(len, &arrays, 2)?;
         let mut it = arrays.into_iter();
         if let (Some(k), Some(v)) = (it.next(), it.next()) {
@@ -84,6 +93,10 @@ impl MixerState for KvCache {
 impl TokenMixer for GqaAttention {
     fn new_state(&self) -> Box<dyn MixerState> {
         Box::new(KvCache::default())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn state_widths(&self) -> Option<Vec<usize>> {

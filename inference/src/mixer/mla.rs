@@ -10,16 +10,19 @@
 //! out(h, i)      = W_uv[h] (sum_j softmax_j(score) c[j])              [n, H, v]
 //! y = o_proj(out)                                                     [n, hidden]
 //! ```
+//! Kimi Linear / K3 run it without any rotation (NoPE: `rope` is `None`), and K3 gates the
+//! heads' output: `y = o_proj(out * sigmoid(g_proj(x)))`.
+//!
 //! The cache holds only the compressed latent and the rope key per position; `kv_b_proj` is
 //! absorbed into the query and the output (mathematically identical to expanding K and V). It
 //! stays in its stored format; each head's rows are decoded once per call.
 
 use rayon::prelude::*;
 
-use super::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::error::Result;
 use crate::kernels::scalar::dot;
 use crate::linear::Linear;
+use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::ops::RmsNorm;
 use crate::rope::Rope;
 
@@ -61,9 +64,12 @@ pub struct MlaAttention {
     pub kv_b_proj: Linear,
     /// `[hidden, H * v]`
     pub o_proj: Linear,
-    pub rope: Rope,
+    /// RoPE of the rope part of q and k; `None`: never rotated (Kimi's NoPE MLA).
+    pub rope: Option<Rope>,
     /// Softmax scale applied to q.k.
     pub softmax_scale: f32,
+    /// K3's output gate `[H * v, hidden]`: `o_proj(attn * sigmoid(g_proj(x)))`.
+    pub output_gate: Option<Linear>,
 }
 
 /// MLA cache: per position the normalised latent and the rotated rope key.
@@ -95,13 +101,22 @@ impl MixerState for MlaCache {
     fn memory_bytes(&self) -> usize {
         (self.latent.capacity() + self.k_rope.capacity()) * 4
     }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
     fn export_arrays(&self) -> Option<Vec<&[f32]>> {
         Some(vec![&self.latent, &self.k_rope])
     }
-    fn import_arrays(&mut self, len: usize, arrays: Vec<Vec<f32>>) -> Result<()> {
+    fn import_arrays(
+        &mut self,
+        len: usize,
+        arrays: Vec<Vec<f32>>,
+        fixed: Vec<Vec<f32>>,
+    ) -> Result<()> {
+        check_import(0, &fixed, 0)?;
         check_import(len, &arrays, 2)?;
         let mut it = arrays.into_iter();
         if let (Some(l), Some(r)) = (it.next(), it.next()) {
@@ -116,6 +131,10 @@ impl MixerState for MlaCache {
 impl TokenMixer for MlaAttention {
     fn new_state(&self) -> Box<dyn MixerState> {
         Box::new(MlaCache::default())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn state_widths(&self) -> Option<Vec<usize>> {
@@ -142,7 +161,9 @@ impl TokenMixer for MlaAttention {
             self.kv_a_layernorm.apply_inplace(&mut lat);
             cache.latent.extend_from_slice(&lat);
             let mut kpe = row[kl..].to_vec();
-            self.rope.apply(&mut kpe, start + t);
+            if let Some(rope) = &self.rope {
+                rope.apply(&mut kpe, start + t);
+            }
             cache.k_rope.extend_from_slice(&kpe);
         }
         cache.len = start + n;
@@ -165,7 +186,9 @@ impl TokenMixer for MlaAttention {
                     let pos = start + t;
                     let qh = &q[(t * h_n + h) * qk..(t * h_n + h + 1) * qk];
                     let mut q_pe = qh[nope..].to_vec();
-                    self.rope.apply(&mut q_pe, pos);
+                    if let Some(rope) = &self.rope {
+                        rope.apply(&mut q_pe, pos);
+                    }
                     // q_abs[c] = sum_d q_nope[d] * W_uk[d, c]
                     q_abs.iter_mut().for_each(|a| *a = 0.0);
                     for (d, &qd) in qh[..nope].iter().enumerate() {
@@ -200,6 +223,12 @@ impl TokenMixer for MlaAttention {
             for t in 0..n {
                 attn[(t * h_n + h) * vd..(t * h_n + h + 1) * vd]
                     .copy_from_slice(&out[t * vd..(t + 1) * vd]);
+            }
+        }
+        if let Some(g) = &self.output_gate {
+            let gate = g.forward(x, n);
+            for (a, g) in attn.iter_mut().zip(&gate) {
+                *a *= crate::ops::sigmoid(*g);
             }
         }
         Ok(self.o_proj.forward(&attn, n))

@@ -156,6 +156,15 @@ impl Model {
             .sum()
     }
 
+    /// The longest forward a truncate can return into at any position (`None`: no limit; see
+    /// [`TokenMixer::rollback_window`](crate::mixer::TokenMixer::rollback_window)).
+    pub fn rollback_window(&self) -> Option<usize> {
+        self.layers
+            .iter()
+            .filter_map(|l| l.mixer.rollback_window())
+            .min()
+    }
+
     /// End-of-sequence ids from the config.
     pub fn eos_token_ids(&self) -> &[u32] {
         self.config.eos_token_ids()
@@ -278,16 +287,18 @@ impl Model {
             ev.decode_row(*t as usize, row);
         }
         if let Some(tr) = trace.as_deref_mut() {
-            tr.hidden_states.clear();
-            tr.routing.clear();
+            *tr = ForwardTrace::default();
             tr.hidden_states.push(emb.clone());
         }
         let mut streams = self.residual.init(emb);
         for (li, layer) in self.layers.iter().enumerate() {
             let state = &mut *session.states[li];
-            let x = layer
-                .input_layernorm
-                .apply(&self.residual.block_input(li, 0, &streams));
+            let input = self.residual.block_input(li, 0, &streams);
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.attn_inputs.push(input.to_vec());
+            }
+            let x = layer.input_layernorm.apply(&input);
+            drop(input);
             let y = layer.mixer.forward(&x, n, state)?;
             self.residual.block_output(li, 0, &mut streams, &y);
 
@@ -304,9 +315,12 @@ impl Model {
                 }
             }
 
-            let x = layer
-                .post_attention_layernorm
-                .apply(&self.residual.block_input(li, 1, &streams));
+            let input = self.residual.block_input(li, 1, &streams);
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.mlp_inputs.push(input.to_vec());
+            }
+            let x = layer.post_attention_layernorm.apply(&input);
+            drop(input);
             let mut routing = Vec::new();
             let mut ctx = FfnContext {
                 source: &*self.source,
@@ -321,13 +335,17 @@ impl Model {
             self.residual.block_output(li, 1, &mut streams, &y);
             if let Some(tr) = trace.as_deref_mut() {
                 tr.hidden_states
-                    .push(self.residual.output(&streams).into_owned());
+                    .push(self.residual.layer_state(&streams).to_vec());
                 if !routing.is_empty() {
                     tr.routing.push((layer.index, routing));
                 }
             }
         }
         let h = self.residual.output(&streams);
+        if let Some(tr) = trace {
+            tr.final_mixed = h.to_vec();
+            tr.residual_blocks = streams[..streams.len().saturating_sub(1)].to_vec();
+        }
         if let Some(o) = &mut session.outputs {
             o.data.extend_from_slice(&h);
         }

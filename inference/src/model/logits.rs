@@ -40,8 +40,17 @@ impl Logits {
 /// Optional per-forward diagnostics.
 #[derive(Debug, Clone, Default)]
 pub struct ForwardTrace {
-    /// `[layers + 1]` of `[n, hidden]`: `[0]` = embeddings, `[i]` = residual after layer i-1.
+    /// `[layers + 1]` of `[n, hidden]`: `[0]` = embeddings, `[i]` = what layer i-1 hands on
+    /// (the residual stream; with Attention Residuals the running block sum).
     pub hidden_states: Vec<Vec<f32>>,
+    /// Per layer `[n, hidden]`: the token mixer's and the feed-forward's input before their
+    /// norms.
+    pub attn_inputs: Vec<Vec<f32>>,
+    pub mlp_inputs: Vec<Vec<f32>>,
+    /// `[n, hidden]`: the final norm's input.
+    pub final_mixed: Vec<f32>,
+    /// Attention Residuals: the completed blocks after the last layer.
+    pub residual_blocks: Vec<Vec<f32>>,
     /// `(layer, routing of each input position)` for every MoE layer.
     pub routing: Vec<(usize, Vec<Routing>)>,
 }

@@ -5,12 +5,14 @@
 //! model is built from), [`residual`] (how sub-block outputs are joined), [`session`]
 //! (per-sequence state), [`logits`] (what a forward returns).
 
+pub mod attn_res;
 pub mod decoder;
 pub mod forward;
 pub mod logits;
 pub mod residual;
 pub mod session;
 
+pub use attn_res::{AttnRes, AttnResQuery};
 pub use decoder::{DecoderLayer, ModelParts};
 pub use forward::Model;
 pub use logits::{ForwardTrace, Logits, LogitsMode};

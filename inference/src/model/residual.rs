@@ -12,9 +12,14 @@ pub trait ResidualMixer: Send + Sync + std::fmt::Debug {
     /// Input of sub-block `sub` (0 = token mixer, 1 = feed-forward) of `layer`, before its norm.
     fn block_input<'s>(&self, layer: usize, sub: usize, streams: &'s [Vec<f32>]) -> Cow<'s, [f32]>;
     /// Fold the sub-block's output into the streams.
-    fn block_output(&self, layer: usize, sub: usize, streams: &mut [Vec<f32>], out: &[f32]);
-    /// The hidden state after the last layer (before the final norm). Also used for traces.
+    fn block_output(&self, layer: usize, sub: usize, streams: &mut Vec<Vec<f32>>, out: &[f32]);
+    /// The hidden state after the last layer (before the final norm).
     fn output<'s>(&self, streams: &'s [Vec<f32>]) -> Cow<'s, [f32]>;
+    /// What a layer hands to the next, for traces: the residual stream, or the running block
+    /// sum of Attention Residuals (the last stream either way).
+    fn layer_state<'s>(&self, streams: &'s [Vec<f32>]) -> &'s [f32] {
+        streams.last().map_or(&[], |s| s.as_slice())
+    }
 }
 
 /// One residual stream, `h = h + f(norm(h))`.
@@ -28,7 +33,7 @@ impl ResidualMixer for AddResidual {
     fn block_input<'s>(&self, _: usize, _: usize, streams: &'s [Vec<f32>]) -> Cow<'s, [f32]> {
         Cow::Borrowed(&streams[0])
     }
-    fn block_output(&self, _: usize, _: usize, streams: &mut [Vec<f32>], out: &[f32]) {
+    fn block_output(&self, _: usize, _: usize, streams: &mut Vec<Vec<f32>>, out: &[f32]) {
         for (h, o) in streams[0].iter_mut().zip(out) {
             *h += o;
         }

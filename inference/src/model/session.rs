@@ -30,6 +30,17 @@ impl Session {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Whether [`Session::truncate`] to `len` will succeed (a recurrent state can only return to
+    /// positions whose state is known).
+    pub fn can_truncate(&self, len: usize) -> bool {
+        len <= self.len && self.states.iter().all(|s| s.can_truncate(len))
+    }
+
+    /// Per-layer state (tests and diagnostics downcast it with `as_any`).
+    pub fn state(&self, layer: usize) -> Option<&dyn MixerState> {
+        self.states.get(layer).map(|s| &**s)
+    }
+
     /// Roll back to the first `len` positions (speculative decoding); nothing is copied.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
         if len > self.len {
@@ -37,6 +48,10 @@ impl Session {
                 len: self.len,
                 requested: len,
             });
+        }
+        // All or nothing: a state that cannot return to `len` refuses before any is changed.
+        if let Some(s) = self.states.iter_mut().find(|s| !s.can_truncate(len)) {
+            s.truncate(len)?;
         }
         for s in &mut self.states {
             s.truncate(len)?;

@@ -137,8 +137,17 @@ impl ExpertTransform for QuantizeExperts {
     }
 
     fn config(&self, source: &Value) -> Result<Value> {
-        if source
-            .get("quantization_config")
+        // Kimi K3 keeps the text model's settings in text_config.
+        let k3 = source.get("model_type").and_then(Value::as_str) == Some("kimi_k3");
+        let text = |v: &Value| -> Option<Value> {
+            if k3 {
+                v.get("text_config").cloned()
+            } else {
+                Some(v.clone())
+            }
+        };
+        if text(source)
+            .and_then(|t| t.get("quantization_config").cloned())
             .is_some_and(|q| !q.is_null())
         {
             return Err(StorageError::InvalidArgument(
@@ -148,7 +157,12 @@ impl ExpertTransform for QuantizeExperts {
             ));
         }
         let mut cfg = source.clone();
-        if let Some(o) = cfg.as_object_mut() {
+        let target = if k3 {
+            cfg.get_mut("text_config")
+        } else {
+            Some(&mut cfg)
+        };
+        if let Some(o) = target.and_then(Value::as_object_mut) {
             o.insert(
                 "quantization_config".into(),
                 self.format.quantization_config(),

@@ -3,9 +3,12 @@
 //! random weights from a seed, scaled so activations stay finite; optionally with the weights a
 //! released quantized checkpoint packs stored in that format (RTN from the same BF16 values).
 //!
-//! [`presets`] gives the config, [`tensors`] the tensor list of each architecture; this file
-//! replaces the packed weights and hands everything to the storage crate's checkpoint writer.
+//! [`presets`] gives the config, [`tensors`] the tensor list of each architecture ([`kimi`] for
+//! Kimi Linear and Kimi K3, built from the pieces in [`planned`]); this file replaces the
+//! packed weights and hands everything to the storage crate's checkpoint writer.
 
+pub mod kimi;
+pub mod planned;
 pub mod presets;
 pub mod tensors;
 
@@ -72,7 +75,13 @@ impl SynthFormat {
             SynthFormat::Fp8 => fp8_quantization_config(),
             SynthFormat::Experts(e) => e.quantization_config(),
         };
-        if let Some(o) = cfg.as_object_mut() {
+        // Kimi K3 keeps the text model's quantization_config in text_config.
+        let target = if cfg.get("model_type").and_then(Value::as_str) == Some("kimi_k3") {
+            cfg.get_mut("text_config")
+        } else {
+            Some(&mut cfg)
+        };
+        if let Some(o) = target.and_then(Value::as_object_mut) {
             o.insert("quantization_config".into(), q);
         }
         cfg
@@ -240,10 +249,17 @@ mod tests {
             let ck = Checkpoint::open(dir.path()).unwrap();
             assert_eq!(ck.tensors.len(), s.tensors);
             let experts = expert_sources(&ck, &expert_naming(&cfg).unwrap()).unwrap();
-            let moe_layers = if *arch == "deepseek_v3" { 3 } else { 4 };
-            assert_eq!(experts.len(), moe_layers * 16);
+            let parsed = crate::config::ModelConfig::from_json(&cfg).unwrap();
+            let moe_layers = (0..parsed.num_hidden_layers())
+                .filter(|&l| parsed.is_moe_layer(l))
+                .count();
+            assert!(moe_layers > 0, "{arch}");
+            assert_eq!(experts.len(), moe_layers * 16, "{arch}");
             // Values are finite and bounded.
-            let w = ck.bytes("model.layers.1.self_attn.o_proj.weight").unwrap();
+            let prefix = crate::family::text_prefix(&cfg);
+            let w = ck
+                .bytes(&format!("{prefix}model.layers.1.self_attn.o_proj.weight"))
+                .unwrap();
             for c in w.chunks_exact(2) {
                 let x = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
                 assert!(x.is_finite() && x.abs() < 1.0);

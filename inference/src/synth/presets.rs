@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use crate::error::{InferenceError, Result};
 
 /// Architectures `synth` can write.
-pub const SYNTH_ARCHS: &[&str] = &["deepseek_v3", "qwen3_moe"];
+pub const SYNTH_ARCHS: &[&str] = &["deepseek_v3", "qwen3_moe", "kimi_linear", "kimi_k3"];
 /// Size presets, smallest first.
 pub const PRESETS: &[&str] = &["tiny", "small", "medium", "large", "xl"];
 
@@ -27,6 +27,12 @@ pub fn preset_config(arch: &str, preset: &str) -> Result<Value> {
             )))
         }
     };
+    if arch == "kimi_linear" || arch == "kimi_k3" {
+        return Ok(crate::synth::kimi::kimi_config(
+            arch == "kimi_k3",
+            [h, layers.max(4), experts, topk, im, inter, heads, vocab],
+        ));
+    }
     let common = json!({
         "hidden_size": h,
         "num_hidden_layers": layers,

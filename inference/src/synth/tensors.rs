@@ -7,39 +7,14 @@ use deltafin_storage::safetensors::TensorSpec;
 use serde_json::Value;
 
 use crate::error::{InferenceError, Result};
-
-pub(crate) fn field(cfg: &Value, key: &str) -> Result<u64> {
-    cfg.get(key).and_then(Value::as_u64).ok_or_else(|| {
-        InferenceError::InvalidArgument(format!(
-            "config field `{key}` must be a non-negative integer"
-        ))
-    })
-}
-
-pub(crate) fn lin(name: String, out: u64, inp: u64) -> PlannedTensor {
-    PlannedTensor {
-        spec: TensorSpec::new(name, Dtype::Bf16, &[out, inp]),
-        fill: Fill::Linear { fan_in: inp },
-    }
-}
-
-pub(crate) fn norm(name: String, n: u64) -> PlannedTensor {
-    PlannedTensor {
-        spec: TensorSpec::new(name, Dtype::Bf16, &[n]),
-        fill: Fill::Constant(1.0),
-    }
-}
-
-pub(crate) fn vector(name: String, n: u64, dtype: Dtype, fill: Fill) -> PlannedTensor {
-    PlannedTensor {
-        spec: TensorSpec::new(name, dtype, &[n]),
-        fill,
-    }
-}
+use crate::synth::planned::{field, lin, norm, vector};
 
 /// The checkpoint's tensors for a config, in the order real checkpoints store them.
 pub fn tensors_for(cfg: &Value) -> Result<Vec<PlannedTensor>> {
     let arch = cfg.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if arch == "kimi_linear" || arch == "kimi_k3" {
+        return crate::synth::kimi::kimi_tensors(cfg);
+    }
     let h = field(cfg, "hidden_size")?;
     let layers = field(cfg, "num_hidden_layers")?;
     let vocab = field(cfg, "vocab_size")?;

@@ -214,6 +214,7 @@ pub fn synth_model(config: &Value, seed: u64, fused: bool) -> Synth {
                     s.matrix(&format!("{m}.down_proj.weight"), h, it);
                 }
             }
+            ModelConfig::Kimi(_) => panic!("Kimi test checkpoints come from common::synth_kimi"),
         }
     }
     s.norm("model.norm.weight", h);

@@ -82,7 +82,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
-    pub spec: crate::speculative_cmd::SpecArgs,
+    pub spec: SpecArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -95,4 +95,53 @@ pub struct LogitsArgs {
     /// Output safetensors file: f32 `logits` [len, vocab].
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
+}
+
+/// Drafters for speculative decoding.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftKind {
+    /// Prompt lookup: propose what followed the latest earlier occurrence of the last n-gram.
+    Ngram,
+    /// Benchmarks: propose --replay-ids, each replaced with probability --replay-corruption.
+    Replay,
+}
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct SpecArgs {
+    /// Speculative decoding with a drafter that needs no model.
+    #[arg(long, value_enum, value_name = "KIND", conflicts_with = "draft_model")]
+    pub draft: Option<DraftKind>,
+    /// Speculative decoding with a small draft model (Hugging Face directory, same
+    /// vocabulary), run in RAM.
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<PathBuf>,
+    /// Most tokens drafted per verification pass.
+    #[arg(long, default_value_t = 8, value_name = "K")]
+    pub draft_k: usize,
+    /// Always draft --draft-k tokens (no adaptation to acceptance and verify cost).
+    #[arg(long)]
+    pub fixed_k: bool,
+    /// Replay drafter: the recorded continuation (token ids, e.g. an earlier run's token_ids).
+    #[arg(long, value_delimiter = ',', num_args = 1.., value_name = "IDS")]
+    pub replay_ids: Option<Vec<u32>>,
+    /// Replay drafter: probability that a proposed token is replaced by another one.
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub replay_corruption: f64,
+    /// After generating, write the session (KV cache + token history) to FILE atomically.
+    #[arg(long, value_name = "FILE")]
+    pub save_session: Option<PathBuf>,
+    /// Start from a saved session, reusing the longest common prefix with the prompt. A file
+    /// for another model, truncated, corrupted or of a newer version is refused with a note
+    /// and generation starts from scratch.
+    #[arg(long, value_name = "FILE")]
+    pub load_session: Option<PathBuf>,
+}
+
+impl SpecArgs {
+    pub(crate) fn active(&self) -> bool {
+        self.draft.is_some()
+            || self.draft_model.is_some()
+            || self.save_session.is_some()
+            || self.load_session.is_some()
+    }
 }
