@@ -21,6 +21,7 @@ use deltafin_storage::stripe::Mode;
 use deltafin_storage::StorageError;
 
 use crate::error::{InferenceError, Result};
+use crate::linear::bytes::WeightBytes;
 use crate::weights::{ExpertCallback, ExpertPartRef, ExpertView, TensorRef, WeightSource};
 
 /// How to open a layout.
@@ -271,6 +272,11 @@ impl WeightSource for LayoutSource {
 
     fn has_tensor(&self, name: &str) -> bool {
         self.resident.contains(name)
+    }
+
+    fn share(&self, bytes: &[u8]) -> Option<WeightBytes> {
+        let (buf, range) = self.resident.share(bytes)?;
+        WeightBytes::shared(buf, range)
     }
 
     fn release_resident(&mut self) {

@@ -53,7 +53,11 @@ impl<'a> Loader<'a> {
         } else {
             None
         };
-        Ok(Linear::from_matrix(&m, b))
+        Ok(Linear::from_matrix_sharing(
+            &m,
+            b,
+            self.src.share(m.data_bytes()),
+        ))
     }
 
     /// A float vector of exactly `len` elements.

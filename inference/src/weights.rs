@@ -13,6 +13,7 @@ use deltafin_storage::expert_parts::{expert_sources, ExpertPart};
 use deltafin_storage::naming::ExpertNaming;
 
 use crate::error::{InferenceError, Result};
+use crate::linear::bytes::WeightBytes;
 
 /// A borrowed tensor: element type, shape and raw little-endian bytes.
 #[derive(Debug, Clone)]
@@ -122,6 +123,13 @@ pub trait WeightSource: Send + Sync {
     /// them (see [`crate::Model::load_owned`]); afterwards [`WeightSource::tensor`] may fail.
     /// Needs `&mut self`, so no borrowed tensor can outlive it. The default keeps everything.
     fn release_resident(&mut self) {}
+
+    /// `bytes` (a slice of a resident tensor this source handed out) as a range of a buffer
+    /// the source shares, so a model can keep it without a copy; `None` (the default) when
+    /// the source cannot share it (the model then copies).
+    fn share(&self, _bytes: &[u8]) -> Option<WeightBytes> {
+        None
+    }
 
     /// Whether a resident tensor exists. The default asks [`WeightSource::tensor`].
     fn has_tensor(&self, name: &str) -> bool {

@@ -71,6 +71,11 @@ fn load_layout(name: &str) -> (Vec<tempfile::TempDir>, Model) {
     )
     .unwrap();
     let (model, _) = Model::load_owned(src).unwrap();
+    // The resident matrices keep the layout's buffers rather than a second copy.
+    assert!(
+        model.lm_head().is_some_and(|h| h.shares_bytes()),
+        "{name}: lm_head copied"
+    );
     (tmp, model)
 }
 

@@ -10,15 +10,18 @@
 //! (`weight_packed` I32 + `weight_scale`); compressed-tensors `mxfp4-pack-quantized`
 //! (`weight_packed` U8 + E8M0 `weight_scale` U8); Q8 (`weight_packed` I8 + `weight_scale`).
 //!
-//! Files: [`matrix`] (borrowed, checked), [`owned`] ([`Linear`]), [`resolve`] (finding a
-//! matrix's tensors by name), [`convert`] (whole tensors as f32).
+//! Files: [`matrix`] (borrowed, checked), [`owned`] ([`Linear`]), [`bytes`] (a `Linear`'s
+//! bytes: its own or shared with the source), [`resolve`] (finding a matrix's tensors by name),
+//! [`convert`] (whole tensors as f32).
 
+pub mod bytes;
 pub mod convert;
 pub mod matrix;
 pub mod owned;
 pub mod resolve;
 
 pub use crate::kernels::dispatch::matmul_many;
+pub use bytes::{SharedBuffer, WeightBytes};
 pub use convert::{dequantize, tensor_to_f32};
 pub use deltafin_formats::{ScaleType, WeightFormat};
 pub use matrix::WeightMatrix;

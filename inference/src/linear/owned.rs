@@ -6,6 +6,7 @@ use deltafin_formats::{ScaleType, WeightFormat};
 use crate::error::{InferenceError, Result};
 use crate::kernels::dispatch::matmul_many;
 use crate::kernels::isa::KernelConfig;
+use crate::linear::bytes::WeightBytes;
 use crate::linear::matrix::WeightMatrix;
 
 /// A weight matrix owning its bytes (resident weights), with an optional f32 bias.
@@ -14,7 +15,7 @@ pub struct Linear {
     rows: usize,
     cols: usize,
     format: WeightFormat,
-    data: Vec<u8>,
+    data: WeightBytes,
     scale: Vec<u8>,
     scale_type: ScaleType,
     kernels: KernelConfig,
@@ -24,11 +25,26 @@ pub struct Linear {
 impl Linear {
     /// Copy a borrowed matrix into an owned one.
     pub fn from_matrix(m: &WeightMatrix<'_>, bias: Option<Vec<f32>>) -> Linear {
+        Linear::from_matrix_sharing(m, bias, None)
+    }
+
+    /// A borrowed matrix as an owned one, keeping its bytes as `shared` (the same bytes, in a
+    /// buffer the source shares) instead of copying them when given.
+    pub fn from_matrix_sharing(
+        m: &WeightMatrix<'_>,
+        bias: Option<Vec<f32>>,
+        shared: Option<WeightBytes>,
+    ) -> Linear {
+        let data = match shared {
+            // The very bytes the matrix borrows (same address and length), only held shared.
+            Some(s) if std::ptr::eq(s.as_slice(), m.data_bytes()) => s,
+            _ => WeightBytes::Owned(m.data_bytes().to_vec()),
+        };
         Linear {
             rows: m.rows(),
             cols: m.cols(),
             format: m.format(),
-            data: m.data_bytes().to_vec(),
+            data,
             scale: m.scale_bytes().to_vec(),
             scale_type: m.scale_type(),
             kernels: m.kernels(),
@@ -49,7 +65,7 @@ impl Linear {
             rows,
             cols,
             format: WeightFormat::F32,
-            data,
+            data: WeightBytes::Owned(data),
             scale: Vec::new(),
             scale_type: ScaleType::None,
             kernels: KernelConfig::default(),
@@ -64,7 +80,7 @@ impl Linear {
             self.rows,
             self.cols,
             self.format,
-            &self.data,
+            self.data.as_slice(),
             &self.scale,
             self.scale_type,
             self.kernels,
@@ -122,6 +138,11 @@ impl Linear {
             l.add_bias(out);
         }
         outs
+    }
+
+    /// Whether the weight bytes are shared with the source they were loaded from.
+    pub fn shares_bytes(&self) -> bool {
+        self.data.is_shared()
     }
 
     /// Bytes held (weights + scales).

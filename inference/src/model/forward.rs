@@ -127,6 +127,11 @@ impl Model {
     pub fn hidden_size(&self) -> usize {
         self.embed_tokens.cols()
     }
+    /// The output projection (`None` when tied to the embeddings).
+    pub fn lm_head(&self) -> Option<&Linear> {
+        self.lm_head.as_ref()
+    }
+
     pub fn layers(&self) -> &[DecoderLayer] {
         &self.layers
     }

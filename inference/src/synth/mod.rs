@@ -290,5 +290,22 @@ mod tests {
             .any(|t| t.spec.name == "model.layers.0.self_attn.q_proj.weight"));
         assert!(!t.iter().any(|t| t.spec.name.contains("experts.8.")));
         assert!(apply_overrides(&mut cfg, &["nokey".into()]).is_err());
+        // K3: the text model's keys go to text_config; dotted keys reach nested objects.
+        let mut k3 = preset_config("kimi_k3", "tiny").unwrap();
+        apply_overrides(
+            &mut k3,
+            &[
+                "num_experts=24".into(),
+                "linear_attn_config.num_heads=2".into(),
+                "text_config.num_hidden_layers=3".into(),
+            ],
+        )
+        .unwrap();
+        let text = &k3["text_config"];
+        assert_eq!(text["num_experts"], 24);
+        assert_eq!(text["linear_attn_config"]["num_heads"], 2);
+        assert_eq!(text["num_hidden_layers"], 3);
+        assert!(k3.get("num_experts").is_none());
+        assert!(apply_overrides(&mut k3, &["num_experts.x=1".into()]).is_err());
     }
 }

@@ -120,9 +120,34 @@ pub fn apply_overrides(cfg: &mut Value, sets: &[String]) -> Result<()> {
             InferenceError::InvalidArgument(format!("--set {s}: expected key=value"))
         })?;
         let value = serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_string()));
-        if let Some(o) = cfg.as_object_mut() {
-            o.insert(k.trim().to_string(), value);
+        let path: Vec<&str> = k.trim().split('.').collect();
+        // A wrapper config (Kimi K3) keeps the text model's keys in `text_config`: a key that
+        // is not one of the wrapper's own goes there.
+        let wrapper_key = |c: &Value| c.get(path[0]).is_some() || path[0] == "text_config";
+        let mut target = &mut *cfg;
+        if !wrapper_key(target) && target.get("text_config").is_some_and(Value::is_object) {
+            target = &mut target["text_config"];
         }
+        let (last, parents) = path.split_last().unwrap_or((&"", &[]));
+        for (i, seg) in parents.iter().enumerate() {
+            let Some(o) = target.as_object_mut() else {
+                return Err(not_object(s, &path[..i]));
+            };
+            target = o
+                .entry(seg.to_string())
+                .or_insert_with(|| Value::Object(Default::default()));
+        }
+        let Some(o) = target.as_object_mut() else {
+            return Err(not_object(s, parents));
+        };
+        o.insert(last.to_string(), value);
     }
     Ok(())
+}
+
+fn not_object(set: &str, path: &[&str]) -> InferenceError {
+    InferenceError::InvalidArgument(format!(
+        "--set {set}: `{}` is not an object",
+        path.join(".")
+    ))
 }

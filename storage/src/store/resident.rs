@@ -2,6 +2,8 @@
 //! buffer (not the engine's pool), with an index from tensor name to bytes.
 
 use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
@@ -17,7 +19,8 @@ use crate::store::stats::LoadProgress;
 struct ResidentRecord {
     /// Index of the record in the manifest.
     record: usize,
-    buf: AlignedBuf,
+    /// Shared, so a model can keep tensors of it without a copy ([`ResidentSet::share`]).
+    buf: Arc<AlignedBuf>,
 }
 
 /// Every resident record's bytes plus a name index.
@@ -114,7 +117,10 @@ impl ResidentSet {
                 set.by_name.insert(t.name.clone(), (pos, k));
             }
             set.bytes += buf.len() as u64;
-            set.records.push(ResidentRecord { record: i, buf });
+            set.records.push(ResidentRecord {
+                record: i,
+                buf: Arc::new(buf),
+            });
         }
         set.load_time = start.elapsed();
         set.count = set.records.len();
@@ -134,6 +140,19 @@ impl ResidentSet {
         let end = t.offset.checked_add(t.len)?;
         let bytes = rec.buf.get(t.offset as usize..end as usize)?;
         Some((t, bytes))
+    }
+
+    /// The record buffer that `bytes` (a slice this set handed out) lies in, and where: a
+    /// caller keeps the tensor without copying it, and the buffer lives as long as any holder
+    /// (after [`ResidentSet::release`] too). `None` for bytes from anywhere else.
+    pub fn share(&self, bytes: &[u8]) -> Option<(Arc<AlignedBuf>, Range<usize>)> {
+        let start = bytes.as_ptr() as usize;
+        let end = start.checked_add(bytes.len())?;
+        self.records.iter().find_map(|r| {
+            let base = r.buf.as_ptr() as usize;
+            let top = base.checked_add(r.buf.len())?;
+            (base <= start && end <= top).then(|| (r.buf.clone(), start - base..end - base))
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -3,10 +3,13 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use deltafin_inference::family::expert_naming;
 use deltafin_inference::run::budget::plan_budget;
 use deltafin_inference::run::memory::default_ram_budget;
 use deltafin_inference::run::{open_model, Budget, ModelPath, OpenOptions, OpenedModel};
 use deltafin_inference::{CachePolicy, LoadProgress};
+use deltafin_storage::checkpoint::Checkpoint;
+use deltafin_storage::expert_parts::skipped_tensors;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::generate::args::SourceArgs;
@@ -52,6 +55,9 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
     .with_context(|| format!("opening {}", args.model.display()));
     bar.finish_and_clear();
     let opened = opened?;
+    if let ModelPath::Directory(dir) = &path {
+        note_unused_tensors(dir);
+    }
     if let Some(src) = &opened.layout {
         for problem in src.unavailable_drives() {
             eprintln!("warning: {problem}; reading from the other replicas");
@@ -68,6 +74,26 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
         policy: args.cache_policy,
         budget: None,
     })
+}
+
+/// Say so when a checkpoint holds tensors the text model does not use (K3's vision tower and
+/// projector), rather than ignoring them silently.
+fn note_unused_tensors(dir: &std::path::Path) {
+    let Ok(ckpt) = Checkpoint::open(dir) else {
+        return; // the model opened, so this cannot fail in practice; nothing to note
+    };
+    let Ok(naming) = expert_naming(&ckpt.config) else {
+        return;
+    };
+    let skipped: Vec<&str> = skipped_tensors(&ckpt, &naming)
+        .map(|t| t.info.name.as_str())
+        .collect();
+    if let Some(first) = skipped.first() {
+        eprintln!(
+            "note: {} tensors outside the language model (e.g. `{first}`) are not used",
+            skipped.len()
+        );
+    }
 }
 
 impl Loaded {
