@@ -59,6 +59,7 @@ fn load_layout(name: &str) -> (Vec<tempfile::TempDir>, Model) {
         force: false,
         naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
+        keep_free: 0,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let src = LayoutSource::open(

@@ -74,6 +74,7 @@ fn lay_out(ckpt: &Path, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, P
         force: false,
         naming: deltafin_inference::family::expert_naming(&ck.config).unwrap(),
         transform: None,
+        keep_free: 0,
     };
     let m = write_layout(&ck, &opts, &NoProgress).unwrap();
     (tmp, m.drives[0].path.clone())

@@ -46,6 +46,7 @@ fn lay_out(
         force: false,
         naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
+        keep_free: 0,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let dirs = m.drives.iter().map(|d| d.path.clone()).collect();

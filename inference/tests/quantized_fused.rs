@@ -55,6 +55,7 @@ fn fused_qwen_experts_are_quantized_at_layout() {
             force: false,
             naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
             transform: Some(quant.clone() as Arc<dyn ExpertTransform>),
+            keep_free: 0,
         };
         let manifest = write_layout(&ckpt, &opts, &NoProgress).unwrap();
 

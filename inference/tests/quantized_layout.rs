@@ -52,6 +52,7 @@ fn lay_out(format: Option<ExpertFormat>) -> (tempfile::TempDir, tempfile::TempDi
                 deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
             )) as Arc<dyn ExpertTransform>
         }),
+        keep_free: 0,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     (a, b, m)

@@ -267,6 +267,7 @@ fn synth_layout(arch: &str, seed: u64) -> (tempfile::TempDir, Model) {
         force: false,
         naming: deltafin_inference::family::expert_naming(&cfg).unwrap(),
         transform: None,
+        keep_free: 0,
     };
     let m = write_layout(&Checkpoint::open(&ck).unwrap(), &opts, &NoProgress).unwrap();
     let src = LayoutSource::open(

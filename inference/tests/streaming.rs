@@ -61,6 +61,7 @@ fn lay_out(ckpt: &Path, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, P
         force: false,
         naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
+        keep_free: 0,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let first = m.drives[0].path.clone();

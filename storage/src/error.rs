@@ -78,6 +78,17 @@ pub enum StorageError {
     #[error("a layout already exists at {path}; pass --force to replace it")]
     LayoutExists { path: PathBuf },
 
+    #[error(
+        "{path} is {}; try again when it has finished",
+        if *writing { "in use by another process (another layout run, a repair, or a reader)" }
+        else { "being written or repaired by another process" }
+    )]
+    LayoutBusy {
+        path: PathBuf,
+        /// Whether this process wanted to write (else read).
+        writing: bool,
+    },
+
     #[error("drive {drive} ({path}): needs {needed} bytes free, has {available}")]
     InsufficientSpace {
         drive: usize,

@@ -2,16 +2,18 @@
 //! experts back at the drives' combined bandwidth.
 //!
 //! - [`safetensors`]: parse untrusted safetensors headers, write new files.
-//! - [`checkpoint`]: a Hugging Face model directory and its resident/expert split.
-//! - [`formats`]: packed weight formats (FP8, INT4, MXFP4, Q8): decoders and RTN quantizers.
-//! - [`synth`]: synthetic checkpoints in the real on-disk format.
+//! - [`checkpoint`]: a Hugging Face model directory; [`naming`] and [`expert_parts`]: which of
+//!   its tensors form routed experts (the naming comes from the caller: no model family here).
+//! - [`checkpoint_writer`]: write a checkpoint from a tensor plan (synthetic models).
 //! - [`stripe`]: where logical bytes live on the drives (replicate / stripe).
 //! - [`manifest`]: the versioned layout manifest.
-//! - [`layout`]: writing a layout; opening one from any drive.
+//! - [`layout`]: writing a layout; opening one from any drive. [`lock`]: per-drive advisory
+//!   locks on a layout name.
 //! - [`buffer`]: aligned buffers and a capped pool.
 //! - [`backend`]: the swappable I/O backend (real O_DIRECT files, fault injection).
 //! - [`engine`]: per-drive `pread` workers, priority lanes, completion handles.
-//! - [`verify`]: check every byte of a layout.
+//! - [`store`]: the expert store (cache, budget, prefetch) the inference crate reads through.
+//! - [`verify`]: check every byte of a layout. [`bench`]: read benchmarks.
 
 pub mod backend;
 pub mod bench;
@@ -23,6 +25,7 @@ pub mod engine;
 pub mod error;
 pub mod expert_parts;
 pub mod layout;
+pub mod lock;
 pub mod manifest;
 pub mod naming;
 pub mod safetensors;

@@ -69,6 +69,7 @@ fn manifest_mutations() {
         force: false,
         naming: common::naming(),
         transform: None,
+        keep_free: 0,
     };
     write_layout(&ck, &opts, &NoProgress).unwrap();
     let bytes = std::fs::read(d.join("m/manifest.json")).unwrap();

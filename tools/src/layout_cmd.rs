@@ -36,9 +36,15 @@ pub struct LayoutArgs {
     /// A JSON layout spec (see layouts/); flags given on the command line override it.
     #[arg(long)]
     pub spec: Option<PathBuf>,
-    /// Replace an existing layout of the same name.
+    /// Replace an existing layout of the same name. The new layout is written beside the old
+    /// one and swapped in when complete; when the drives cannot hold both, in place, but only
+    /// after every check (space, writable drives, the checkpoint) has passed.
     #[arg(long)]
     pub force: bool,
+    /// Leave at least this much free on every drive (e.g. 10G); a layout that would not is
+    /// refused before anything is written.
+    #[arg(long, value_parser = parse_size, default_value = "0")]
+    pub keep_free: u64,
     /// Quantize routed experts of a BF16 checkpoint while laying out (RTN, one scale per 32
     /// values): mxfp4, int4 (compressed-tensors, as shipped) or q8. Errors per tensor go to
     /// `quantize_errors.json` next to each drive's manifest; a summary is printed.
@@ -122,6 +128,7 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
         force: a.force,
         naming,
         transform: quant.clone().map(|q| q as Arc<dyn ExpertTransform>),
+        keep_free: a.keep_free,
     };
     let t = Instant::now();
     let m = write_layout(&ckpt, &opts, &Bar::new(a.quiet))?;

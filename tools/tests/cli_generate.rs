@@ -134,6 +134,7 @@ fn lay_out(name: &str, mode: Mode, drives: usize) -> (Vec<tempfile::TempDir>, Ve
         force: false,
         naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
+        keep_free: 0,
     };
     let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let dirs = m.drives.iter().map(|d| d.path.clone()).collect();
@@ -346,6 +347,7 @@ fn prompt_text_through_a_tokenizer() {
         force: false,
         naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
         transform: None,
+        keep_free: 0,
     };
     write_layout(&ckpt, &opts, &NoProgress).unwrap();
     let layout = drive.path().join("m");

@@ -1,19 +1,27 @@
 //! `deltafin layout`: plan records, check space, write every drive, write manifests last.
 //!
-//! Order of operations, so that an interrupted run never looks complete and can be rerun:
-//! 1. refuse if a manifest exists (unless forced; forced runs delete it first, durably);
-//! 2. check free space on every drive;
+//! Order of operations, so that an interrupted run never looks complete, can be rerun, and
+//! never loses the layout it replaces:
+//! 1. lock the name on every drive (a concurrent `layout` or a reader fails at once: [`lock`]);
+//! 2. plan, check space and that every drive is writable; refuse an existing layout unless
+//!    forced (see [`replace`]: the new layout is written beside the old one and swapped in
+//!    when complete, or in place only after every check has passed);
 //! 3. write `data.bin` on every drive (one writer thread per drive), fsync;
-//! 4. write `units.blake3`, then `manifest.json` on every drive, each via temp+fsync+rename.
+//! 4. write `units.blake3`, then `manifest.json` on every drive, each via temp+fsync+rename;
+//! 5. swap the new folders in.
 //!
-//! Files: [`plan`] (records and their places), [`space`] (free space), [`writer`] (the logical
-//! space onto the drives), [`records`] (each record's bytes), [`transform`] (layout-time
-//! rewrites of expert records), [`open`] (reading a layout back from any drive), [`progress`].
+//! Files: [`plan`] (records and their places), [`space`] (free space), [`replace`] (staging
+//! and the swap), [`writer`] (the logical space onto the drives), [`records`] (each record's
+//! bytes), [`transform`] (layout-time rewrites of expert records), [`open`] (reading a layout
+//! back from any drive), [`progress`].
+//!
+//! [`lock`]: crate::lock
 
 pub mod open;
 pub mod plan;
 pub mod progress;
 mod records;
+mod replace;
 pub mod space;
 pub mod transform;
 mod writer;
@@ -32,10 +40,12 @@ pub use transform::{ExpertTransform, PartSpec};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Result, StorageError};
 use crate::layout::records::write_records;
+use crate::layout::replace::remove_stale_staging;
 use crate::layout::writer::{spawn_writer, DriveWriter, LogicalWriter};
+use crate::lock::{LayoutLock, LockKind};
 use crate::manifest::{
-    sync_dir, write_atomic, DriveEntry, Manifest, RecordEntry, DATA_FILE, MANIFEST_FILE,
-    MANIFEST_FORMAT, MANIFEST_VERSION, UNIT_HASHES_FILE,
+    write_atomic, DriveEntry, Manifest, RecordEntry, DATA_FILE, MANIFEST_FILE, MANIFEST_FORMAT,
+    MANIFEST_VERSION, UNIT_HASHES_FILE,
 };
 use crate::naming::ExpertNaming;
 use crate::stripe::{Mode, Placement};
@@ -56,6 +66,9 @@ pub struct LayoutOptions {
     /// Rewrites every routed expert record while laying out (e.g. quantizing it); `None`
     /// copies the checkpoint's bytes.
     pub transform: Option<Arc<dyn ExpertTransform>>,
+    /// Bytes to leave free on every drive (`layout --keep-free`): a layout that would leave
+    /// less is refused before anything is written.
+    pub keep_free: u64,
 }
 
 /// Lay `ckpt` out according to `opts`. Returns the manifest (as written on drive 0).
@@ -65,44 +78,61 @@ pub fn write_layout(
     progress: &dyn Progress,
 ) -> Result<Manifest> {
     let placement = check_options(opts)?;
-    let dirs: Vec<PathBuf> = canonical_drives(&opts.drives)?
+    let final_dirs: Vec<PathBuf> = canonical_drives(&opts.drives)?
         .iter()
         .map(|d| d.join(&opts.name))
         .collect();
 
-    // 1. existing layouts
-    clear_existing(&dirs, opts.force)?;
+    // 1. the name, locked on every drive for the whole run
+    let _lock = LayoutLock::acquire(&final_dirs, LockKind::Exclusive)?;
+    remove_stale_staging(&final_dirs)?;
+
+    // 2. everything that can fail before a byte is written
     let transform = opts.transform.as_deref();
     let config = match transform {
         Some(t) => t.config(&ckpt.config)?,
         None => ckpt.config.clone(),
     };
     let plan = plan_with(ckpt, &opts.naming, transform)?;
+    let space = space::drive_space(&final_dirs, placement, &plan, opts.keep_free)?;
+    let layout_id = random_id();
+    let target = replace::prepare(final_dirs, opts.force, &space, &layout_id)?;
 
-    // 2. free space (an old data.bin we are about to overwrite counts as free)
-    space::check_space(&dirs, placement, &plan)?;
+    let written = (|| -> Result<Manifest> {
+        // 3. data
+        let writers = create_data_files(&target.write_dirs, placement, plan.logical_len)?;
+        progress.start(plan.logical_len, "laying out");
+        let mut lw = LogicalWriter::new(placement, writers, plan.logical_len, progress);
+        let entries = write_records(ckpt, &plan, transform, &mut lw)?;
+        lw.pad_to(plan.logical_len)?;
+        let unit_hashes = lw.finish()?;
+        progress.finish();
 
-    // 3. data
-    let writers = create_data_files(&dirs, placement, plan.logical_len)?;
-    progress.start(plan.logical_len, "laying out");
-    let mut lw = LogicalWriter::new(placement, writers, plan.logical_len, progress);
-    let entries = write_records(ckpt, &plan, transform, &mut lw)?;
-    lw.pad_to(plan.logical_len)?;
-    let unit_hashes = lw.finish()?;
-    progress.finish();
-
-    // 4. hashes and manifests, last
-    let manifest = build_manifest(
-        ckpt,
-        opts,
-        &dirs,
-        placement,
-        plan,
-        entries,
-        config,
-        &unit_hashes,
-    )?;
-    write_manifests(manifest, &dirs, &unit_hashes)
+        // 4. hashes and manifests, last (naming the final folders)
+        let manifest = build_manifest(
+            ckpt,
+            opts,
+            &target.final_dirs,
+            placement,
+            plan,
+            entries,
+            config,
+            &unit_hashes,
+            layout_id.clone(),
+        )?;
+        write_manifests(manifest, &target.write_dirs, &unit_hashes)
+    })();
+    match written {
+        // 5. swap in
+        Ok(m) => {
+            target.commit()?;
+            Ok(m)
+        }
+        Err(e) => {
+            target.abandon();
+            Err(e)
+        }
+    }
 }
 
 /// A plain layout name and a valid placement over at least one drive.
@@ -149,24 +179,6 @@ fn canonical_drives(drives: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(canon)
 }
 
-/// Refuse an existing layout unless `force`; forced, remove its manifests durably first, so
-/// an interrupted replacement never looks complete.
-fn clear_existing(dirs: &[PathBuf], force: bool) -> Result<()> {
-    for dir in dirs {
-        if dir.join(MANIFEST_FILE).exists() && !force {
-            return Err(StorageError::LayoutExists { path: dir.clone() });
-        }
-    }
-    for dir in dirs {
-        let m = dir.join(MANIFEST_FILE);
-        if m.exists() {
-            fs::remove_file(&m).map_err(|e| StorageError::io(&m, "remove old manifest", e))?;
-            sync_dir(dir)?;
-        }
-    }
-    Ok(())
-}
-
 /// Create every drive's `data.bin` at its final length, reserving the space up front so a
 /// full disk fails now, not half-way, and start its writer thread.
 fn create_data_files(
@@ -206,6 +218,7 @@ fn build_manifest(
     records: Vec<RecordEntry>,
     config: serde_json::Value,
     unit_hashes: &[u8],
+    layout_id: String,
 ) -> Result<Manifest> {
     let drives: Vec<DriveEntry> = dirs
         .iter()
@@ -235,7 +248,7 @@ fn build_manifest(
         format: MANIFEST_FORMAT.into(),
         version: MANIFEST_VERSION,
         name: opts.name.clone(),
-        layout_id: random_id(),
+        layout_id,
         created_unix: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

@@ -24,34 +24,64 @@ pub fn free_space(path: &Path) -> Result<u64> {
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
-/// Every drive has room for its share of `plan` (plus hashes and manifest); an old `data.bin`
-/// about to be overwritten counts as free.
-pub(crate) fn check_space(
+/// One drive's space for a new layout: what it needs, what is free, and what replacing the old
+/// layout in place would give back (its `data.bin`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DriveSpace {
+    pub drive: usize,
+    pub need: u64,
+    pub free: u64,
+    pub reclaim: u64,
+}
+
+/// What every drive needs for its share of `plan` (plus hashes, manifest and `keep_free`).
+pub(crate) fn drive_space(
     dirs: &[std::path::PathBuf],
     placement: crate::stripe::Placement,
     plan: &crate::layout::plan::Plan,
-) -> Result<()> {
+    keep_free: u64,
+) -> Result<Vec<DriveSpace>> {
     let units = placement.unit_count(plan.logical_len);
+    let mut out = Vec::with_capacity(dirs.len());
     for (i, dir) in dirs.iter().enumerate() {
         let drive = dir.parent().unwrap_or(dir);
-        let need = placement.drive_file_len(i, plan.logical_len)
-            + units * 32
-            + (plan.records.len() as u64 * 400)
-            + (1 << 20);
+        let need = placement
+            .drive_file_len(i, plan.logical_len)
+            .saturating_add(units.saturating_mul(32))
+            .saturating_add((plan.records.len() as u64).saturating_mul(400))
+            .saturating_add(1 << 20)
+            .saturating_add(keep_free);
         let reclaim = std::fs::metadata(dir.join(crate::manifest::DATA_FILE))
             .map(|m| m.len())
             .unwrap_or(0);
-        let have = free_space(drive)? + reclaim;
-        if have < need {
-            return Err(StorageError::InsufficientSpace {
-                drive: i,
-                path: drive.to_path_buf(),
-                needed: need,
-                available: have,
-            });
-        }
+        out.push(DriveSpace {
+            drive: i,
+            need,
+            free: free_space(drive)?,
+            reclaim,
+        });
     }
-    Ok(())
+    Ok(out)
+}
+
+/// The first drive without room (counting the old layout's bytes as free when `reclaim`).
+pub(crate) fn short_of_space(
+    dirs: &[std::path::PathBuf],
+    space: &[DriveSpace],
+    reclaim: bool,
+) -> Option<StorageError> {
+    space.iter().find_map(|d| {
+        let have = d.free.saturating_add(if reclaim { d.reclaim } else { 0 });
+        (have < d.need).then(|| StorageError::InsufficientSpace {
+            drive: d.drive,
+            path: dirs[d.drive]
+                .parent()
+                .unwrap_or(&dirs[d.drive])
+                .to_path_buf(),
+            needed: d.need,
+            available: have,
+        })
+    })
 }
 
 /// Reserve `len` bytes for `file` (drive `drive`) with `posix_fallocate`, so a full disk fails

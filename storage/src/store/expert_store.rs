@@ -24,6 +24,7 @@ use crate::buffer::AlignedBuf;
 use crate::engine::{Completion, Engine, EngineConfig, HashCheck, Ticket};
 use crate::error::{Result, StorageError};
 use crate::layout::open_layout_degraded;
+use crate::lock::{LayoutLock, LockKind};
 use crate::manifest::{Manifest, RecordId};
 use crate::store::cache::{CacheBuffer, CachePolicy, ExpertCache, ExpertKey};
 use crate::store::gate::PrefetchGate;
@@ -102,6 +103,7 @@ pub struct ExpertStore {
     pub(crate) max_outstanding: usize,
     pub(crate) tx: Sender<Completion>,
     pub(crate) rx: Receiver<Completion>,
+    _lock: LayoutLock,
 }
 
 /// Expert reads outstanding at most: far more than the drives' queues need to stay busy, and
@@ -123,6 +125,9 @@ impl ExpertStore {
     /// (see [`ExpertStore::unavailable_drives`]); the others serve every record.
     pub fn open(path: &Path, opts: &StoreOptions) -> Result<ExpertStore> {
         let (manifest, drive_dirs, problems) = open_layout_degraded(path)?;
+        // Readers hold the name shared: a `layout --force` or a repair waits for none of them
+        // silently, it fails at once while the layout is in use.
+        let lock = LayoutLock::acquire(&drive_dirs, LockKind::Shared)?;
         let config = EngineConfig {
             threads_per_drive: opts.threads_per_drive,
             buffer_cap_bytes: opts.buffer_cap_bytes,
@@ -158,6 +163,7 @@ impl ExpertStore {
             max_outstanding,
             tx,
             rx,
+            _lock: lock,
         })
     }
 

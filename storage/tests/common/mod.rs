@@ -118,6 +118,7 @@ pub fn opts(drives: Vec<PathBuf>, mode: Mode, unit: u64) -> LayoutOptions {
         force: false,
         naming: naming(),
         transform: None,
+        keep_free: 0,
     }
 }
 
