@@ -75,6 +75,30 @@ pub enum StorageError {
         supported: u32,
     },
 
+    #[error(
+        "manifest {path} was edited or corrupted: {reason}{}",
+        field.as_ref().map(|f| format!("; {f}")).unwrap_or_default()
+    )]
+    ManifestTampered {
+        path: PathBuf,
+        reason: String,
+        /// What differs from another drive's copy, when one could be compared.
+        field: Option<String>,
+    },
+
+    #[error(
+        "the drives' manifests disagree: drive {drive} ({path}) says `{field}` is {there}, \
+         drive {here_drive}'s copy says {here}; refusing to guess which is right"
+    )]
+    ManifestDisagrees {
+        drive: usize,
+        path: PathBuf,
+        here_drive: usize,
+        field: String,
+        here: String,
+        there: String,
+    },
+
     #[error("a layout already exists at {path}; pass --force to replace it")]
     LayoutExists { path: PathBuf },
 

@@ -12,8 +12,9 @@ use crate::error::{Result, StorageError};
 use crate::safetensors::Dtype;
 use crate::stripe::{Mode, Placement};
 
-/// Format version this build writes and the newest it reads.
-pub const MANIFEST_VERSION: u32 = 1;
+/// Format version this build writes and the newest it reads. Version 2 added `content_hash`
+/// (version 1 manifests still open; only the cross-drive comparison protects them).
+pub const MANIFEST_VERSION: u32 = 2;
 /// Value of the `format` field.
 pub const MANIFEST_FORMAT: &str = "deltafin-layout";
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -111,6 +112,12 @@ pub struct Manifest {
     /// Optional extra facts (source checkpoint path, quantization, tool version).
     #[serde(default)]
     pub meta: BTreeMap<String, String>,
+    /// blake3 (hex) of everything above except `this_drive`: the config, the tensor and record
+    /// tables (and through their hashes every data byte), the drives. Every drive's copy
+    /// carries the same value; a copy whose content does not hash to it was edited or
+    /// corrupted (see [`Manifest::content_hash`]). Empty in version 1 manifests.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub content_hash: String,
 }
 
 impl Manifest {
@@ -157,8 +164,56 @@ impl Manifest {
         }
     }
 
-    /// Parse and validate from bytes (untrusted).
+    /// The hash [`Manifest::content_hash`] must hold: blake3 of the manifest's JSON without
+    /// `this_drive` (set to 0) and without the hash itself.
+    pub fn compute_content_hash(&self) -> String {
+        let mut c = self.clone();
+        c.this_drive = 0;
+        c.content_hash = String::new();
+        // Serializing plain data (strings, numbers, maps with string keys) cannot fail.
+        let bytes = serde_json::to_vec(&c).unwrap_or_default();
+        blake3::hash(&bytes).to_hex().to_string()
+    }
+
+    /// A copy carrying its content hash, as written to the drives.
+    pub fn sealed(&self) -> Manifest {
+        let mut m = self.clone();
+        m.version = m.version.max(2);
+        m.content_hash = m.compute_content_hash();
+        m
+    }
+
+    /// The content as the drives' copies must agree on it (`this_drive` aside), as JSON.
+    pub fn shared_content(&self) -> serde_json::Value {
+        let mut c = self.clone();
+        c.this_drive = 0;
+        c.content_hash = String::new();
+        serde_json::to_value(&c).unwrap_or_default()
+    }
+
+    /// Parse and validate from bytes (untrusted), including the content hash.
     pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Manifest> {
+        let m = Manifest::from_bytes_unauthenticated(path, bytes)?;
+        if m.version >= 2 {
+            let want = m.compute_content_hash();
+            if m.content_hash != want {
+                return Err(StorageError::ManifestTampered {
+                    path: path.to_path_buf(),
+                    reason: if m.content_hash.is_empty() {
+                        "it has no content_hash".into()
+                    } else {
+                        "its content does not hash to its content_hash".into()
+                    },
+                    field: None,
+                });
+            }
+        }
+        Ok(m)
+    }
+
+    /// [`Manifest::from_bytes`] without the content-hash check (to compare a bad copy with
+    /// the good ones and name what differs).
+    pub fn from_bytes_unauthenticated(path: &Path, bytes: &[u8]) -> Result<Manifest> {
         let bad = |reason: String| StorageError::Manifest {
             path: path.to_path_buf(),
             reason,
@@ -295,12 +350,14 @@ impl Manifest {
         Manifest::from_bytes(&file, &bytes)
     }
 
-    /// Write to `dir/manifest.json` via temp file, fsync, rename and directory fsync.
+    /// Write to `dir/manifest.json` (sealed with its content hash) via temp file, fsync, rename
+    /// and directory fsync.
     pub fn store(&self, dir: &Path) -> Result<()> {
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| StorageError::Manifest {
-            path: dir.join(MANIFEST_FILE),
-            reason: e.to_string(),
-        })?;
+        let bytes =
+            serde_json::to_vec_pretty(&self.sealed()).map_err(|e| StorageError::Manifest {
+                path: dir.join(MANIFEST_FILE),
+                reason: e.to_string(),
+            })?;
         write_atomic(&dir.join(MANIFEST_FILE), &bytes)
     }
 }
@@ -401,6 +458,7 @@ mod tests {
                 }],
             }],
             meta: BTreeMap::new(),
+            content_hash: String::new(),
         }
     }
 
@@ -411,8 +469,51 @@ mod tests {
         m.store(dir.path()).unwrap();
         assert!(!dir.path().join("manifest.json.tmp").exists());
         let back = Manifest::load(dir.path()).unwrap();
-        assert_eq!(back, m);
-        assert_eq!(Manifest::load(&dir.path().join(MANIFEST_FILE)).unwrap(), m);
+        assert_eq!(back, m.sealed());
+        assert_eq!(back.content_hash, m.compute_content_hash());
+        assert_eq!(
+            Manifest::load(&dir.path().join(MANIFEST_FILE)).unwrap(),
+            back
+        );
+        // The hash does not depend on which drive's copy it is.
+        let mut other = m.clone();
+        other.this_drive = 0;
+        assert_eq!(other.compute_content_hash(), back.content_hash);
+    }
+
+    /// Any edit of a sealed copy is refused, whatever field it touches; a version 1 manifest
+    /// (no hash) still loads.
+    #[test]
+    fn an_edited_copy_fails_its_content_hash() {
+        let p = Path::new("d/manifest.json");
+        let sealed = serde_json::to_value(sample().sealed()).unwrap();
+        assert!(Manifest::from_bytes(p, &serde_json::to_vec(&sealed).unwrap()).is_ok());
+        let edits: Vec<(&str, serde_json::Value)> = vec![
+            ("/config/model_type", serde_json::json!("other")),
+            ("/records/0/hash", serde_json::json!("cd".repeat(32))),
+            (
+                "/expert_templates/0/tensors/0/dtype",
+                serde_json::json!("F16"),
+            ),
+            ("/unit_hashes_blake3", serde_json::json!("00".repeat(32))),
+            ("/meta", serde_json::json!({"x": "y"})),
+        ];
+        for (at, value) in edits {
+            let mut v = sealed.clone();
+            *v.pointer_mut(at).unwrap() = value;
+            let e = Manifest::from_bytes(p, &serde_json::to_vec(&v).unwrap()).unwrap_err();
+            assert!(
+                matches!(e, StorageError::ManifestTampered { .. }),
+                "{at}: {e}"
+            );
+            assert!(e.to_string().contains("d/manifest.json"), "{e}");
+        }
+        let mut v1 = serde_json::to_value(sample()).unwrap();
+        v1["version"] = serde_json::json!(1);
+        assert!(Manifest::from_bytes(p, &serde_json::to_vec(&v1).unwrap()).is_ok());
+        let mut v2 = v1.clone();
+        v2["version"] = serde_json::json!(2);
+        assert!(Manifest::from_bytes(p, &serde_json::to_vec(&v2).unwrap()).is_err());
     }
 
     #[test]

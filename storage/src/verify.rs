@@ -136,7 +136,37 @@ pub fn verify_layout(
 /// Verify a layout. `dirs` are the drive folders (from `open_layout`).
 pub fn verify(engine: &Engine, dirs: &[PathBuf], progress: &dyn Progress) -> Result<VerifyReport> {
     let manifest = engine.manifest().clone();
-    let unit_hashes = load_unit_hashes(&dirs[manifest.this_drive], &manifest)?;
+    // Every drive's copy of the unit hashes, whichever drive we were pointed at; checking
+    // uses the first good one.
+    let mut mismatches = Vec::new();
+    let mut unit_hashes = None;
+    let mut first_error = None;
+    for (d, dir) in dirs.iter().enumerate() {
+        match load_unit_hashes(dir, &manifest) {
+            Ok(h) => {
+                unit_hashes.get_or_insert(h);
+            }
+            Err(e) => {
+                mismatches.push(Mismatch {
+                    drive: d,
+                    file: dir.join(UNIT_HASHES_FILE),
+                    offset: 0,
+                    len: 0,
+                    what: format!("unit hash file unusable: {e}"),
+                });
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    let unit_hashes = match (unit_hashes, first_error) {
+        (Some(h), _) => h,
+        (None, Some(e)) => return Err(e),
+        (None, None) => {
+            return Err(StorageError::InvalidArgument(
+                "a layout with no drives".into(),
+            ))
+        }
+    };
     let placement = manifest.placement();
     let nunits = placement.unit_count(manifest.logical_len);
     let unit_len = |i: u64| {
@@ -177,7 +207,6 @@ pub fn verify(engine: &Engine, dirs: &[PathBuf], progress: &dyn Progress) -> Res
     let window = window.min((max_window_bytes / placement.unit).max(1) as usize);
     let (tx, rx) = bounded(window * streams.len() + 1);
     let mut in_flight = 0usize;
-    let mut mismatches = Vec::new();
     let mut units_checked = 0;
     let mut records_checked = 0;
     let file_of = |d: usize| dirs[d].join(DATA_FILE);

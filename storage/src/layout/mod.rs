@@ -13,10 +13,11 @@
 //! Files: [`plan`] (records and their places), [`space`] (free space), [`replace`] (staging
 //! and the swap), [`writer`] (the logical space onto the drives), [`records`] (each record's
 //! bytes), [`transform`] (layout-time rewrites of expert records), [`open`] (reading a layout
-//! back from any drive), [`progress`].
+//! back from any drive), [`agree`] (the drives' manifest copies agree), [`progress`].
 //!
 //! [`lock`]: crate::lock
 
+pub mod agree;
 pub mod open;
 pub mod plan;
 pub mod progress;
@@ -264,6 +265,7 @@ fn build_manifest(
         records,
         expert_templates: plan.templates,
         meta,
+        content_hash: String::new(),
     };
     manifest.validate(&dirs[0].join(MANIFEST_FILE))?;
     Ok(manifest)
@@ -283,7 +285,7 @@ fn write_manifests(
         manifest.store(dir)?;
     }
     manifest.this_drive = 0;
-    Ok(manifest)
+    Ok(manifest.sealed())
 }
 
 /// 128 random bits as hex (`/dev/urandom`, or a hash of the time and pid).

@@ -5,6 +5,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, StorageError};
+use crate::layout::agree::{check_agrees, explain_tampered};
 use crate::manifest::{Manifest, DATA_FILE, MANIFEST_FILE};
 use crate::stripe::Mode;
 
@@ -28,8 +29,14 @@ pub fn open_layout(path: &Path) -> Result<(Manifest, Vec<PathBuf>)> {
 pub fn open_layout_degraded(
     path: &Path,
 ) -> Result<(Manifest, Vec<PathBuf>, Vec<(usize, StorageError)>)> {
-    let manifest = Manifest::load(path)?;
     let here = crate::manifest::manifest_path(path);
+    let manifest = match Manifest::load(path) {
+        Ok(m) => m,
+        Err(e @ StorageError::ManifestTampered { .. }) => {
+            return Err(explain_with_siblings(e, &here))
+        }
+        Err(e) => return Err(e),
+    };
     let here_dir = here.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut dirs = Vec::new();
     let mut unavailable = Vec::new();
@@ -40,11 +47,16 @@ pub fn open_layout_degraded(
         } else {
             d.path.clone()
         };
-        if let Err(e) = check_drive(&manifest, d, &dir) {
-            if manifest.mode != Mode::Replicate || manifest.drives.len() < 2 {
-                return Err(e);
+        match check_drive(&manifest, d, &dir) {
+            Ok(()) => {}
+            // Copies that disagree cannot be told apart: never guess.
+            Err(e @ StorageError::ManifestDisagrees { .. }) => return Err(e),
+            Err(e) => {
+                if manifest.mode != Mode::Replicate || manifest.drives.len() < 2 {
+                    return Err(e);
+                }
+                unavailable.push((d.index, e));
             }
-            unavailable.push((d.index, e));
         }
         dirs.push(dir);
     }
@@ -56,11 +68,24 @@ pub fn open_layout_degraded(
 
 /// Whether `dir` holds drive `d`'s copy of `manifest`'s layout, whole.
 fn check_drive(manifest: &Manifest, d: &crate::manifest::DriveEntry, dir: &Path) -> Result<()> {
+    if d.index == manifest.this_drive {
+        // The copy we opened from; its data file is checked below.
+        return check_data_file(d, dir);
+    }
     let m = dir.join(MANIFEST_FILE);
-    let other = Manifest::load(&m).map_err(|e| StorageError::MissingDrive {
-        drive: d.index,
-        path: dir.to_path_buf(),
-        reason: e.to_string(),
+    let other = Manifest::load(&m).map_err(|e| {
+        let e = match e {
+            StorageError::ManifestTampered { .. } => match fs::read(&m) {
+                Ok(bytes) => explain_tampered(e, &bytes, manifest),
+                Err(_) => e,
+            },
+            e => e,
+        };
+        StorageError::MissingDrive {
+            drive: d.index,
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        }
     })?;
     if other.layout_id != manifest.layout_id || other.this_drive != d.index {
         return Err(StorageError::DriveMismatch {
@@ -70,6 +95,12 @@ fn check_drive(manifest: &Manifest, d: &crate::manifest::DriveEntry, dir: &Path)
             found: format!("layout {} drive {}", other.layout_id, other.this_drive),
         });
     }
+    check_agrees(manifest, &other, d.index, &m)?;
+    check_data_file(d, dir)
+}
+
+/// The drive's data file is there and long enough.
+fn check_data_file(d: &crate::manifest::DriveEntry, dir: &Path) -> Result<()> {
     let data = dir.join(DATA_FILE);
     let len = fs::metadata(&data)
         .map_err(|e| StorageError::MissingDrive {
@@ -88,4 +119,24 @@ fn check_drive(manifest: &Manifest, d: &crate::manifest::DriveEntry, dir: &Path)
         });
     }
     Ok(())
+}
+
+/// The copy at `here` failed its content hash: compare it with the first sibling copy that is
+/// good (found through the bad copy's own drive list) to name what was changed.
+fn explain_with_siblings(err: StorageError, here: &Path) -> StorageError {
+    let Ok(bytes) = fs::read(here) else {
+        return err;
+    };
+    let Ok(bad) = Manifest::from_bytes_unauthenticated(here, &bytes) else {
+        return err;
+    };
+    for d in &bad.drives {
+        if d.index == bad.this_drive {
+            continue;
+        }
+        if let Ok(good) = Manifest::load(&d.path.join(MANIFEST_FILE)) {
+            return explain_tampered(err, &bytes, &good);
+        }
+    }
+    err
 }
