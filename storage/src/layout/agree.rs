@@ -57,11 +57,8 @@ pub fn first_difference(a: &Value, b: &Value) -> Option<(String, String, String)
 fn short(v: &Value) -> String {
     let s = v.to_string();
     if s.len() > 120 {
-        format!(
-            "{}... ({} characters)",
-            &s[..s.floor_char_boundary(100)],
-            s.len()
-        )
+        let head: String = s.chars().take(100).collect();
+        format!("{head}... ({} characters)", s.len())
     } else {
         s
     }
