@@ -188,6 +188,11 @@ impl LayoutSource {
         self.store.drive_count()
     }
 
+    /// Which records get their blake3 checked as they land.
+    pub fn hash_check(&self) -> deltafin_storage::engine::HashCheck {
+        self.store.hash_check()
+    }
+
     pub fn mode(&self) -> Mode {
         self.store.mode()
     }

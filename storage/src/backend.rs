@@ -1,8 +1,10 @@
-//! The swappable I/O backend: how a data file is opened and read at an offset.
+//! The swappable I/O backend: how a data file is opened and read at an offset, and opened for
+//! writing when a bad copy is repaired.
 //!
 //! [`PosixBackend`] is the real one (O_DIRECT `pread`, falling back to buffered reads with
-//! `posix_fadvise(DONTNEED)` where the filesystem refuses O_DIRECT). [`FaultyBackend`] wraps
-//! any backend to inject short reads, I/O errors and latency in tests.
+//! `posix_fadvise(DONTNEED)` where the filesystem refuses O_DIRECT; `pwrite` + `fdatasync`
+//! for repairs). [`FaultyBackend`] wraps any backend to inject short reads, I/O errors,
+//! corruption, latency and a drive that goes away, in tests.
 
 use std::fmt::Debug;
 use std::io;
@@ -18,11 +20,26 @@ pub trait IoFile: Send + Sync + Debug {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
     /// True when reads bypass the page cache.
     fn is_direct(&self) -> bool;
+    /// Write all of `buf` at `offset` and make it durable (files opened with
+    /// [`IoBackend::open_for_repair`]); read-only files refuse.
+    fn write_all_at(&self, _buf: &[u8], _offset: u64) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "opened read-only",
+        ))
+    }
 }
 
 /// Opens data files.
 pub trait IoBackend: Send + Sync + Debug {
     fn open(&self, path: &Path) -> io::Result<Arc<dyn IoFile>>;
+    /// Open a data file for rewriting bad ranges from a good copy. The default refuses.
+    fn open_for_repair(&self, path: &Path) -> io::Result<Arc<dyn IoFile>> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("{}: this backend cannot write", path.display()),
+        ))
+    }
 }
 
 /// Real files: O_DIRECT where the filesystem allows it.
@@ -53,6 +70,19 @@ impl IoBackend for PosixBackend {
             }
         }
         let file = std::fs::File::open(path)?;
+        Ok(Arc::new(PosixFile {
+            file,
+            direct: false,
+        }))
+    }
+
+    fn open_for_repair(&self, path: &Path) -> io::Result<Arc<dyn IoFile>> {
+        // Buffered: repairs are rare and small; fdatasync makes them durable, and a later
+        // O_DIRECT read of the range sees them (the kernel writes back overlapping pages first).
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
         Ok(Arc::new(PosixFile {
             file,
             direct: false,
@@ -100,6 +130,12 @@ impl IoFile for PosixFile {
     fn is_direct(&self) -> bool {
         self.direct
     }
+
+    fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file.write_all_at(buf, offset)?;
+        self.file.sync_data()
+    }
 }
 
 /// One fault to inject.
@@ -120,6 +156,19 @@ pub enum Fault {
     FlipByte { path_contains: String, offset: u64 },
     /// Record the offset of every read, in the order reads start ([`FaultyBackend::read_log`]).
     LogReads,
+    /// Reads of matching files return stale data: the bytes of the same range
+    /// `shift` bytes earlier in the file (a torn or misdirected write).
+    Stale {
+        path_contains: String,
+        offset: u64,
+        shift: u64,
+    },
+    /// The drive holding matching files goes away after `after_reads` reads through this
+    /// backend in total (every later read, and any repair write, fails with ENODEV).
+    Gone {
+        path_contains: String,
+        after_reads: u64,
+    },
 }
 
 /// Wraps a backend and injects [`Fault`]s.
@@ -131,6 +180,8 @@ pub struct FaultyBackend {
     pub hits: Arc<AtomicU64>,
     /// With [`Fault::LogReads`]: every read's file offset, in the order reads started.
     pub read_log: Arc<std::sync::Mutex<Vec<u64>>>,
+    /// Reads through this backend so far (all files).
+    pub reads: Arc<AtomicU64>,
 }
 
 impl FaultyBackend {
@@ -140,6 +191,7 @@ impl FaultyBackend {
             faults,
             hits: Arc::new(AtomicU64::new(0)),
             read_log: Arc::default(),
+            reads: Arc::new(AtomicU64::new(0)),
         }
     }
 }
@@ -151,6 +203,7 @@ struct FaultyFile {
     faults: Vec<Fault>,
     hits: Arc<AtomicU64>,
     read_log: Arc<std::sync::Mutex<Vec<u64>>>,
+    reads: Arc<AtomicU64>,
 }
 
 impl IoBackend for FaultyBackend {
@@ -161,7 +214,33 @@ impl IoBackend for FaultyBackend {
             faults: self.faults.clone(),
             hits: self.hits.clone(),
             read_log: self.read_log.clone(),
+            reads: self.reads.clone(),
         }))
+    }
+
+    /// Repairs write through the inner backend, faults and all (a drive that has gone away
+    /// refuses writes too).
+    fn open_for_repair(&self, path: &Path) -> io::Result<Arc<dyn IoFile>> {
+        if self.gone(&path.display().to_string()) {
+            return Err(io::Error::from_raw_os_error(libc::ENODEV));
+        }
+        self.inner.open_for_repair(path)
+    }
+}
+
+impl FaultyBackend {
+    /// Whether a [`Fault::Gone`] drive matching `path` has gone away by now.
+    fn gone(&self, path: &str) -> bool {
+        self.faults.iter().any(|f| match f {
+            Fault::Gone {
+                path_contains,
+                after_reads,
+            } => {
+                path.contains(path_contains.as_str())
+                    && self.reads.load(Ordering::Relaxed) >= *after_reads
+            }
+            _ => false,
+        })
     }
 }
 
@@ -169,8 +248,27 @@ impl IoFile for FaultyFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let covers = |o: u64| o >= offset && o < offset + buf.len() as u64;
         let mut limit = buf.len();
+        let done = self.reads.fetch_add(1, Ordering::Relaxed);
         for f in &self.faults {
             match f {
+                Fault::Gone {
+                    path_contains,
+                    after_reads,
+                } if self.path.contains(path_contains.as_str()) && done >= *after_reads => {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    return Err(io::Error::from_raw_os_error(libc::ENODEV));
+                }
+                Fault::Stale {
+                    path_contains,
+                    offset: o,
+                    shift,
+                } if self.path.contains(path_contains.as_str())
+                    && covers(*o)
+                    && offset >= *shift =>
+                {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    return self.inner.read_at(&mut buf[..limit], offset - shift);
+                }
                 Fault::Eio {
                     path_contains,
                     offset: o,

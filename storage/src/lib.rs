@@ -13,7 +13,8 @@
 //! - [`backend`]: the swappable I/O backend (real O_DIRECT files, fault injection).
 //! - [`engine`]: per-drive `pread` workers, priority lanes, completion handles.
 //! - [`store`]: the expert store (cache, budget, prefetch) the inference crate reads through.
-//! - [`verify`]: check every byte of a layout. [`bench`]: read benchmarks.
+//! - [`verify`]: check every byte of a layout; [`layout_repair`]: make a mirror's drives whole
+//!   again from good copies. [`bench`]: read benchmarks.
 
 pub mod backend;
 pub mod bench;
@@ -25,6 +26,7 @@ pub mod engine;
 pub mod error;
 pub mod expert_parts;
 pub mod layout;
+pub mod layout_repair;
 pub mod lock;
 pub mod manifest;
 pub mod naming;

@@ -18,7 +18,7 @@ use deltafin_inference::run::memory::tame_allocator;
 
 use crate::generate::args::SourceArgs;
 use crate::generate::loaded::load;
-use crate::generate::report::{summary, to_json};
+use crate::generate::report::{integrity_warnings, summary, to_json};
 use crate::util::{machine, parse_size};
 
 /// The standard text prompts.
@@ -53,7 +53,7 @@ pub struct BenchGenerateArgs {
     pub prefill_chunk: usize,
     #[arg(long, default_value_t = 4)]
     pub threads_per_drive: usize,
-    #[arg(long, default_value = "sampled:16")]
+    #[arg(long, default_value = "all")]
     pub hash_check: HashCheck,
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -151,6 +151,9 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
                     o.remove("machine");
                 }
                 eprintln!("{name} n={n} #{r}: {}", summary(&m, &loaded, ids.len()));
+                for w in integrity_warnings(&loaded) {
+                    eprintln!("{w}");
+                }
                 runs.push(v);
                 drop(loaded);
             }

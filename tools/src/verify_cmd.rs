@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
+use deltafin_storage::layout_repair::repair_layout;
 use deltafin_storage::verify::verify_layout;
 
 use crate::progress::Bar;
@@ -16,11 +17,19 @@ pub struct VerifyArgs {
     pub threads_per_drive: usize,
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub buffer_cap: u64,
+    /// Mirrors: rewrite every bad or missing part of every drive (data units, unit hashes,
+    /// manifest copies) from good copies, then verify again. Stripes: their manifests and unit
+    /// hashes are repaired, bad data is reported (there is no second copy of it).
+    #[arg(long)]
+    pub repair: bool,
     #[arg(long, short)]
     pub quiet: bool,
 }
 
 pub fn run(a: &VerifyArgs) -> anyhow::Result<()> {
+    if a.repair {
+        repair(a)?;
+    }
     let (manifest, dirs, report) = verify_layout(
         &a.layout,
         a.threads_per_drive,
@@ -60,4 +69,39 @@ pub fn run(a: &VerifyArgs) -> anyhow::Result<()> {
         report.mismatches.len(),
         manifest.name
     )
+}
+
+/// `--repair`: make the drives whole from good copies, then the normal verify runs.
+fn repair(a: &VerifyArgs) -> anyhow::Result<()> {
+    let r = repair_layout(&a.layout, &Bar::new(a.quiet))
+        .with_context(|| format!("repairing {}", a.layout.display()))?;
+    for d in &r.manifests_rewritten {
+        println!("REPAIRED drive {d}: manifest copy rewritten");
+    }
+    for d in &r.unit_files_rewritten {
+        println!("REPAIRED drive {d}: unit hash file rewritten");
+    }
+    for d in &r.data_files_fixed {
+        println!("REPAIRED drive {d}: data file recreated or extended");
+    }
+    for (d, u, from) in &r.units_repaired {
+        println!("REPAIRED drive {d}: stripe unit {u} rewritten from drive {from}");
+    }
+    for u in &r.unrepairable {
+        println!("UNREPAIRABLE {u}");
+    }
+    println!(
+        "repair: {} stripe units scanned in {:.2}s, {} rewritten, {} unrepairable",
+        r.units_checked,
+        r.elapsed.as_secs_f64(),
+        r.units_repaired.len(),
+        r.unrepairable.len()
+    );
+    if !r.unrepairable.is_empty() {
+        bail!(
+            "{} part(s) could not be repaired (see UNREPAIRABLE above)",
+            r.unrepairable.len()
+        );
+    }
+    Ok(())
 }

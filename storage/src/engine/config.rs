@@ -76,6 +76,9 @@ pub struct EngineConfig {
     pub unavailable_drives: Vec<usize>,
     /// Time for the retry period (the system clock; tests advance a manual one).
     pub clock: Arc<dyn Clock>,
+    /// Replicate mode: rewrite a copy that failed its hash from the copy that matched
+    /// (see `engine/repair.rs`). Off, a bad copy is only read around.
+    pub repair: bool,
 }
 
 impl Default for EngineConfig {
@@ -84,11 +87,12 @@ impl Default for EngineConfig {
             threads_per_drive: 4,
             buffer_cap_bytes: 1 << 30,
             queue_capacity: 8192,
-            hash_check: HashCheck::Sampled(16),
+            hash_check: HashCheck::All,
             backend: Arc::new(PosixBackend::default()),
             replica_retry_after: Duration::from_secs(10),
             unavailable_drives: Vec::new(),
             clock: Arc::new(SystemClock::default()),
+            repair: true,
         }
     }
 }

@@ -25,6 +25,9 @@
 mod completion;
 pub mod config;
 pub mod drive;
+mod locate;
+mod repair;
+pub mod repair_report;
 mod replica;
 pub mod request;
 mod schedule;
@@ -32,6 +35,7 @@ mod shared;
 pub mod ticket;
 mod worker;
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,6 +45,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 
 pub use config::{EngineConfig, HashCheck, Lane};
 pub use drive::DriveStats;
+pub use repair_report::{Repair, REPAIR_LOG_FILE};
 pub use request::{Completion, Loaded, ReadBuf, Target};
 pub use ticket::Ticket;
 
@@ -146,6 +151,10 @@ impl Engine {
             completed: AtomicU64::new(0),
             replica_recoveries: AtomicU64::new(0),
             index,
+            repair: config.repair,
+            backend: config.backend.clone(),
+            repairs: Mutex::new(Vec::new()),
+            repair_files: Mutex::new(HashMap::new()),
         });
         let mut workers = Vec::new();
         let receivers = Arc::new(receivers);
@@ -205,6 +214,20 @@ impl Engine {
 
     /// Reads (pieces after an I/O error, whole records after a hash mismatch) that another
     /// replica served (replicate mode).
+    /// Which records get their blake3 checked as they land.
+    pub fn hash_check(&self) -> HashCheck {
+        self.shared.hash_check
+    }
+
+    /// Repairs of bad copies so far (see [`Repair`]).
+    pub fn repairs(&self) -> Vec<Repair> {
+        self.shared
+            .repairs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     pub fn replica_recoveries(&self) -> u64 {
         self.shared.replica_recoveries.load(Ordering::Relaxed)
     }

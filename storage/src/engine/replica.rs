@@ -3,6 +3,8 @@
 
 use std::sync::atomic::Ordering;
 
+use crate::engine::locate::bad_units;
+use crate::engine::repair::repair_range;
 use crate::engine::request::{InFlight, Loaded, PieceSlot, ReadBuf, Target};
 use crate::engine::shared::Shared;
 use crate::error::{Result, StorageError};
@@ -44,11 +46,12 @@ pub(crate) fn read_other_replica(
 }
 
 /// A record whose bytes did not match its hash: in replicate mode read it again whole from
-/// each drive in turn (silent corruption is per copy) and return the first copy that matches;
-/// otherwise, or if none does, the mismatch error.
+/// each drive in turn (silent corruption is per copy), return the first copy that matches and
+/// rewrite the bad copies' pieces from it (`repair`); otherwise, or if no copy matches, the
+/// mismatch error, naming the stripe units that fail their hashes.
 pub(crate) fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) -> Result<Loaded> {
     let replicated = shared.replicated();
-    if let (true, Target::Record(_), Some(want)) = (replicated, &req.target, &req.expected_hash) {
+    if let (true, Target::Record(ri), Some(want)) = (replicated, &req.target, &req.expected_hash) {
         let base = buf.as_mut_ptr();
         let piece_bytes = |p: Piece| {
             // SAFETY: as in `worker`: the piece lies within the buffer's capacity (pieces
@@ -72,6 +75,8 @@ pub(crate) fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) 
         order.extend(0..shared.drives.len());
         let mut seen = vec![false; shared.drives.len()];
         order.retain(|&k| k < seen.len() && !std::mem::replace(&mut seen[k], true));
+        // Drives whose whole copy was read and failed the hash.
+        let mut corrupt_copies = Vec::new();
         for k in order {
             let drive = &shared.drives[k];
             if drive.unavailable {
@@ -95,17 +100,35 @@ pub(crate) fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) 
                 continue;
             }
             if blake3::hash(&buf[..req.payload_len]).to_hex().as_str() != want {
-                // This whole copy of the record is corrupt: count it and rest the drive.
+                // This whole copy of the record is corrupt: rest the drive, repair it below.
                 drive.mark_failed();
+                corrupt_copies.push(k);
                 continue;
             }
-            // Rest every drive that served a piece that differs from the good copy.
-            for (slot, h) in req.pieces.iter().zip(&first) {
+            // Drive k's copy is good. Bad pieces: those first read differently from it, and
+            // every piece of a copy that failed whole.
+            let mut bad: Vec<(usize, usize)> = Vec::new();
+            for (i, (slot, h)) in req.pieces.iter().zip(&first).enumerate() {
                 if blake3::hash(piece_bytes(slot.piece)) != *h {
-                    shared.drives[slot.served_by.load(Ordering::Relaxed)].mark_failed();
+                    let d = slot.served_by.load(Ordering::Relaxed);
+                    shared.drives[d].mark_failed();
+                    bad.push((d, i));
                 }
             }
+            for &c in &corrupt_copies {
+                bad.extend((0..req.pieces.len()).map(|i| (c, i)));
+            }
+            bad.sort_unstable();
+            bad.dedup();
+            bad.retain(|&(d, _)| d != k && d < shared.drives.len());
             shared.replica_recoveries.fetch_add(1, Ordering::Relaxed);
+            if shared.repair {
+                let what = shared.manifest.records[*ri].id.to_string();
+                for (d, i) in bad {
+                    let p = req.pieces[i].piece;
+                    repair_range(shared, d, p.file_offset, piece_bytes(p), &what, k);
+                }
+            }
             return Ok(Loaded {
                 target: req.target.clone(),
                 tag: req.tag,
@@ -121,10 +144,26 @@ fn hash_mismatch(shared: &Shared, target: &Target, pieces: &[PieceSlot]) -> Stor
     let first = pieces
         .first()
         .map(|s| (s.served_by.load(Ordering::Relaxed), s.piece.file_offset));
-    let (drive, offset) = first.unwrap_or((0, 0));
+    let (mut drive, mut offset) = first.unwrap_or((0, 0));
     let (what, len) = match target {
         Target::Record(i) => {
             let r = &shared.manifest.records[*i];
+            // Which stripe units are bad, by their own hashes (an error path: reads them).
+            let bad = bad_units(shared, r.offset, pieces);
+            if let Some(u) = bad.first() {
+                (drive, offset) = (u.drive, u.file_offset);
+            }
+            let located = if bad.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; {}",
+                    bad.iter()
+                        .map(|u| u.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )
+            };
             let drives: Vec<usize> = {
                 let mut v: Vec<usize> = pieces
                     .iter()
@@ -136,7 +175,7 @@ fn hash_mismatch(shared: &Shared, target: &Target, pieces: &[PieceSlot]) -> Stor
             };
             (
                 format!(
-                    "{} (logical offset {}, read from drives {drives:?})",
+                    "{} (logical offset {}, read from drives {drives:?}){located}",
                     r.id, r.offset
                 ),
                 r.len,

@@ -2,7 +2,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use crate::backend::{IoBackend, IoFile};
+use crate::engine::repair_report::Repair;
 
 use crate::buffer::BufferPool;
 use crate::engine::config::HashCheck;
@@ -20,6 +23,14 @@ pub(crate) struct Shared {
     pub index: HashMap<RecordId, usize>,
     /// Pieces or records served by another replica after a read error or a hash mismatch.
     pub replica_recoveries: AtomicU64,
+    /// Whether bad copies are rewritten from good ones.
+    pub repair: bool,
+    /// Opens data files for repair.
+    pub backend: Arc<dyn IoBackend>,
+    /// Repairs done (or attempted), in order.
+    pub repairs: Mutex<Vec<Repair>>,
+    /// Data files opened for writing, by drive.
+    pub repair_files: Mutex<HashMap<usize, Arc<dyn IoFile>>>,
 }
 
 impl Shared {

@@ -220,6 +220,11 @@ impl ExpertStore {
 
     /// Change the cap on expert buffer bytes (e.g. once a RAM budget can be split after
     /// loading). Lowering it evicts cached experts as new reads need room.
+    /// Which records get their blake3 checked as they land.
+    pub fn hash_check(&self) -> HashCheck {
+        self.engine.hash_check()
+    }
+
     pub fn set_cap(&self, bytes: u64) {
         self.lock().cache.set_cap(bytes);
     }
@@ -245,6 +250,8 @@ impl ExpertStore {
             expert_memory_bytes: st.cache.used(),
             expert_memory_cap: st.cache.cap(),
             fetch,
+            replica_recoveries: self.engine.replica_recoveries(),
+            repairs: self.engine.repairs(),
         }
     }
 

@@ -5,6 +5,7 @@ use std::ops::{Add, Sub};
 use std::time::Duration;
 
 use crate::engine::drive::DriveStats;
+use crate::engine::repair_report::Repair;
 
 /// Expert reads, cache and prefetch (monotonic; `later - earlier` for one phase).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -131,6 +132,10 @@ pub struct StoreStats {
     pub expert_memory_bytes: u64,
     /// The cap on them.
     pub expert_memory_cap: u64,
+    /// Reads served by another copy after a read error or a hash mismatch (replicate mode).
+    pub replica_recoveries: u64,
+    /// Bad copies rewritten from good ones (or that could not be), in order.
+    pub repairs: Vec<Repair>,
 }
 
 impl Sub for &StoreStats {
@@ -150,6 +155,14 @@ impl Sub for &StoreStats {
                 })
                 .collect(),
             fetch: &self.fetch - &rhs.fetch,
+            replica_recoveries: self
+                .replica_recoveries
+                .saturating_sub(rhs.replica_recoveries),
+            repairs: self
+                .repairs
+                .get(rhs.repairs.len().min(self.repairs.len())..)
+                .unwrap_or_default()
+                .to_vec(),
             ..self.clone()
         }
     }

@@ -19,7 +19,7 @@ pub struct SourceArgs {
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub threads_per_drive: usize,
     /// Layouts: blake3 checks of records as they are read: off, `sampled[:N]` (one in N) or all.
-    #[arg(long, default_value = "sampled:16", value_name = "MODE")]
+    #[arg(long, default_value = "all", value_name = "MODE")]
     pub hash_check: HashCheck,
     /// Layouts: RAM budget for the whole process (resident weights, KV cache, activations, I/O
     /// buffers and the expert cache); the expert cache gets what the rest leaves. Default: half

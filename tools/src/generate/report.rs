@@ -36,6 +36,24 @@ fn source_json(l: &Loaded) -> serde_json::Value {
             s.resident_load_time.as_secs_f64().into(),
         );
         v.insert("drive_stats".into(), drive_stats_json(&s.drives));
+        v.insert("hash_check".into(), src.hash_check().to_string().into());
+        v.insert("replica_recoveries".into(), s.replica_recoveries.into());
+        v.insert(
+            "repairs".into(),
+            s.repairs
+                .iter()
+                .filter(|r| r.error.is_none())
+                .count()
+                .into(),
+        );
+        v.insert(
+            "repairs_failed".into(),
+            s.repairs
+                .iter()
+                .filter(|r| r.error.is_some())
+                .count()
+                .into(),
+        );
     } else {
         v.insert("bytes_read".into(), serde_json::Value::Null);
     }
@@ -158,4 +176,23 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
 fn pct(x: Option<f64>) -> String {
     x.map(|x| format!("{:.1}%", 100.0 * x))
         .unwrap_or_else(|| "n/a".into())
+}
+
+/// Warnings after a run over a layout: copies read around or repaired. Never silent: a user
+/// learns a drive served bad bytes even when the output was right.
+pub(crate) fn integrity_warnings(loaded: &Loaded) -> Vec<String> {
+    let Some(src) = &loaded.opened.layout else {
+        return Vec::new();
+    };
+    let s = src.stats();
+    let mut out: Vec<String> = s.repairs.iter().map(|r| format!("warning: {r}")).collect();
+    let repaired = s.repairs.len() as u64;
+    if s.replica_recoveries > 0 {
+        out.push(format!(
+            "warning: {} read(s) failed or did not match their hash and were served by another \
+             copy ({repaired} range(s) rewritten); run `deltafin verify` on the layout",
+            s.replica_recoveries
+        ));
+    }
+    out
 }

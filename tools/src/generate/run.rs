@@ -9,7 +9,7 @@ use deltafin_inference::{GenerateConfig, SamplerConfig};
 
 use crate::generate::args::GenerateArgs;
 use crate::generate::loaded::load;
-use crate::generate::report::{summary, to_json};
+use crate::generate::report::{integrity_warnings, summary, to_json};
 use crate::generate::tokenizer::{find_tokenizer, Detok};
 
 pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
@@ -137,6 +137,9 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     out.flush()?;
 
     let stats = summary(&run, &loaded, prompt.len());
+    for w in integrity_warnings(&loaded) {
+        eprintln!("{w}");
+    }
     if args.json {
         eprintln!("{stats}");
         let mut v = to_json(&run, &loaded, &prompt);
