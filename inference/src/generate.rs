@@ -59,6 +59,21 @@ pub struct GenerateOutput {
 ///
 /// On return the session holds the prompt and every generated token except the last one
 /// (that token's logits were never needed); feed it first if the conversation continues.
+/// The positions a generation can fill (`held` already in the session, the prompt, the new
+/// tokens) must fit the model's context (`max_position_embeddings`); refused up front, not
+/// after a long prefill.
+pub fn check_context(model: &Model, held: usize, prompt: usize, new_tokens: usize) -> Result<()> {
+    let max = model.config().max_position_embeddings();
+    let need = held.saturating_add(prompt).saturating_add(new_tokens);
+    if need > max {
+        return Err(InferenceError::InvalidArgument(format!(
+            "{held} positions held + a {prompt}-token prompt + {new_tokens} new tokens = {need} \
+             positions, over the model's context of {max} (max_position_embeddings)"
+        )));
+    }
+    Ok(())
+}
+
 pub fn generate(
     model: &Model,
     session: &mut Session,
@@ -66,6 +81,7 @@ pub fn generate(
     config: &GenerateConfig,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<GenerateOutput> {
+    check_context(model, session.len(), prompt.len(), config.max_new_tokens)?;
     let mut sampler = Sampler::new(config.sampler.clone())?;
     let mut tokens = Vec::new();
     let chunk = if config.prefill_chunk == 0 {

@@ -28,7 +28,7 @@
 //! corrupted file (checksum), or one written for another model; callers then start from scratch.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::InferenceError;
@@ -68,6 +68,10 @@ pub enum SnapshotError {
     Malformed(String),
     #[error("this model's state cannot be saved in a snapshot: {0}")]
     Unsupported(String),
+    #[error("{path}: not a regular file ({kind}); snapshots are read from and written to regular files only")]
+    NotARegularFile { path: PathBuf, kind: String },
+    #[error("{path}: {len} bytes, larger than any snapshot of this model can be ({cap} bytes)")]
+    TooLarge { path: PathBuf, len: u64, cap: u64 },
     #[error(transparent)]
     Inference(#[from] InferenceError),
 }
@@ -428,6 +432,12 @@ pub fn save(
         })?
         .to_string_lossy()
         .into_owned();
+    // Never replace a device, FIFO or directory with a regular file.
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_file() {
+            return Err(not_regular(path, &meta));
+        }
+    }
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| -> SnapshotResult<()> {
         let f = File::create(&tmp).map_err(io("create", &tmp))?;
@@ -465,12 +475,69 @@ pub fn save(
 
 /// Read and check a snapshot file (see [`decode`]).
 pub fn load(path: &Path, model: &Model, hash: &[u8; 32]) -> SnapshotResult<(Session, Vec<u32>)> {
-    let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
-        path: path.to_path_buf(),
-        op: "read",
-        source,
-    })?;
+    let io = |op: &'static str| {
+        move |source| SnapshotError::Io {
+            path: path.to_path_buf(),
+            op,
+            source,
+        }
+    };
+    // A regular file of a size this model's snapshot can have: never read a device or FIFO
+    // (/dev/zero would be read until memory runs out) or a file too large to be one.
+    let meta = std::fs::metadata(path).map_err(io("stat"))?;
+    if !meta.is_file() {
+        return Err(not_regular(path, &meta));
+    }
+    let cap = max_snapshot_bytes(model);
+    if meta.len() > cap {
+        return Err(SnapshotError::TooLarge {
+            path: path.to_path_buf(),
+            len: meta.len(),
+            cap,
+        });
+    }
+    let mut bytes = Vec::new();
+    File::open(path)
+        .map_err(io("open"))?
+        .take(cap + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io("read"))?;
     decode(&bytes, model, hash)
+}
+
+/// The largest snapshot `model` can have: its whole context of token ids, per-position states
+/// and recorded outputs, its fixed states, and the framing.
+pub fn max_snapshot_bytes(model: &Model) -> u64 {
+    let positions = model.config().max_position_embeddings() as u64;
+    let per_position = 4 + model.state_bytes_per_position() + 4 * model.hidden_size() as u64;
+    let layers = model.layers().len() as u64;
+    positions
+        .saturating_mul(per_position)
+        .saturating_add(model.fixed_state_bytes())
+        .saturating_add(layers.saturating_mul(256))
+        .saturating_add(1 << 20)
+}
+
+fn not_regular(path: &Path, meta: &std::fs::Metadata) -> SnapshotError {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    let kind = if t.is_dir() {
+        "a directory"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    SnapshotError::NotARegularFile {
+        path: path.to_path_buf(),
+        kind: kind.into(),
+    }
 }
 
 /// Keep the longest prefix of `history` (the positions `session` holds) that `prompt` starts

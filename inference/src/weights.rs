@@ -193,6 +193,12 @@ impl WeightSource for DirSource {
         &self.ckpt.config
     }
 
+    /// Resident matrices keep a range of the shard's memory map (no copy).
+    fn share(&self, bytes: &[u8]) -> Option<WeightBytes> {
+        let (map, range) = self.ckpt.share(bytes)?;
+        WeightBytes::shared(map, range)
+    }
+
     fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
         let t = self
             .ckpt

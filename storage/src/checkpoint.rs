@@ -4,7 +4,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use memmap2::Mmap;
 
@@ -29,7 +31,8 @@ pub struct Checkpoint {
     pub files: Vec<PathBuf>,
     pub tensors: Vec<CheckpointTensor>,
     by_name: HashMap<String, usize>,
-    maps: Vec<Mmap>,
+    /// Shared, so a model can keep resident tensors without copying them ([`Checkpoint::share`]).
+    maps: Vec<Arc<Mmap>>,
 }
 
 impl Checkpoint {
@@ -64,7 +67,7 @@ impl Checkpoint {
                 }
                 tensors.push(CheckpointTensor { info, file: fi });
             }
-            maps.push(map);
+            maps.push(Arc::new(map));
         }
         let ckpt = Checkpoint {
             dir: dir.to_path_buf(),
@@ -114,6 +117,18 @@ impl Checkpoint {
     pub fn bytes(&self, name: &str) -> Option<&[u8]> {
         let t = self.get(name)?;
         Some(self.slice(t.file, t.info.offset, t.info.len))
+    }
+
+    /// The shard map that `bytes` (a slice this checkpoint handed out) lies in, and where: a
+    /// caller keeps the tensor without copying it. `None` for bytes from anywhere else.
+    pub fn share(&self, bytes: &[u8]) -> Option<(Arc<Mmap>, Range<usize>)> {
+        let start = bytes.as_ptr() as usize;
+        let end = start.checked_add(bytes.len())?;
+        self.maps.iter().find_map(|m| {
+            let base = m.as_ptr() as usize;
+            let top = base.checked_add(m.len())?;
+            (base <= start && end <= top).then(|| (m.clone(), start - base..end - base))
+        })
     }
 
     /// Bytes `offset..offset+len` of shard `file` (bounds were validated at open).

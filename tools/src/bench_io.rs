@@ -11,7 +11,7 @@ use deltafin_storage::bench::{ReadBench, ReadMeasure};
 use deltafin_storage::engine::HashCheck;
 use serde_json::json;
 
-use crate::util::{human, machine, parse_size};
+use crate::util::{human, machine, parse_seconds, parse_size};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Pattern {
@@ -27,7 +27,7 @@ pub struct BenchIoArgs {
     pub layout: PathBuf,
     #[arg(long, value_enum, default_value = "expert")]
     pub pattern: Pattern,
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value = "10", value_parser = parse_seconds)]
     pub seconds: f64,
     /// Ours and fio alternate in this many rounds (of seconds/rounds each, at least 1 s for fio).
     #[arg(long, default_value_t = 5)]
@@ -120,10 +120,16 @@ pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
     let read_size = bench.read_size();
     // Ours and fio take turns in short rounds, so a drive whose speed drifts during the run
     // (host-cached virtual disks, SSD caches filling) affects both sides alike.
-    let with_fio = !a.no_fio && which("fio").is_some();
+    // fio refuses a file smaller than one read (a tiny model leaves a stripe's drive empty):
+    // it reads the drives that hold at least that much.
+    let fio_files: Vec<PathBuf> = bench
+        .data_files()
+        .into_iter()
+        .filter(|f| std::fs::metadata(f).is_ok_and(|m| m.len() >= read_size))
+        .collect();
+    let with_fio = !a.no_fio && which("fio").is_some() && !fio_files.is_empty();
     let rounds = a.rounds.max(1);
     let per_round = (a.seconds / rounds as f64).max(if with_fio { 1.0 } else { 0.1 });
-    let files = bench.data_files();
     let mut m = ReadMeasure::default();
     let (mut fio_bytes, mut fio_secs, mut fio_line) = (0.0, 0.0, String::new());
     for r in 0..rounds {
@@ -135,8 +141,13 @@ pub fn run(a: &BenchIoArgs) -> anyhow::Result<()> {
         };
         m += &mi;
         if with_fio {
-            let (b, s, line) =
-                run_fio(&files, read_size, a.threads_per_drive, per_round, a.pattern)?;
+            let (b, s, line) = run_fio(
+                &fio_files,
+                read_size,
+                a.threads_per_drive,
+                per_round,
+                a.pattern,
+            )?;
             fio_bytes += b;
             fio_secs += s;
             fio_line = line;

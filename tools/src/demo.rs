@@ -26,7 +26,7 @@ pub struct DemoArgs {
     #[arg(short = 'n', long, default_value_t = 64)]
     pub max_new_tokens: usize,
     /// Seconds of `bench io`.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value = "2", value_parser = crate::util::parse_seconds)]
     pub bench_seconds: f64,
     /// Remove the work directory afterwards.
     #[arg(long)]
@@ -108,6 +108,17 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<()> {
         &["bench", "io", s(&layout_dir)?, "--seconds", &secs],
     )?;
     let n = a.max_new_tokens.to_string();
+    // A fixed prompt, kept inside the vocabulary of whatever preset was synthesized.
+    let config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(model.join("config.json")).context("reading the synthesized config")?,
+    )
+    .context("parsing the synthesized config")?;
+    let vocab = config["vocab_size"].as_u64().unwrap_or(512).max(2);
+    let prompt = [1u64, 17, 42, 99, 123, 7, 256, 1024]
+        .iter()
+        .map(|&t| (t % vocab).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
     step(
         "generate, streaming experts under a small RAM budget",
         &[
@@ -115,7 +126,7 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<()> {
             "--model",
             s(&layout_dir)?,
             "--prompt-ids",
-            "1,17,42,99,123,7,256,1024",
+            &prompt,
             "-n",
             &n,
             "--ignore-eos",

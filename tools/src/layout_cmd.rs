@@ -106,6 +106,17 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
         .context("give --name (or \"name\" in the spec)")?;
     let ckpt = Checkpoint::open(&a.model)
         .with_context(|| format!("opening checkpoint {}", a.model.display()))?;
+    // The same config validation generate runs, before anything is written: a layout of a
+    // checkpoint that could not be loaded would only fail later.
+    deltafin_inference::ModelConfig::from_json(&ckpt.config)
+        .with_context(|| format!("{}", a.model.join("config.json").display()))?;
+    // Build the model over the checkpoint (its matrices keep ranges of the files' memory maps,
+    // so little is read): every tensor the config implies must be there, shaped as it says.
+    // A checkpoint that generate would refuse is refused now, before anything is written.
+    let probe = deltafin_inference::DirSource::open(&a.model)
+        .with_context(|| format!("opening {}", a.model.display()))?;
+    deltafin_inference::Model::load(Arc::new(probe))
+        .with_context(|| format!("checking that {} loads", a.model.display()))?;
     let naming = expert_naming(&ckpt.config)
         .with_context(|| format!("{}", a.model.join("config.json").display()))?;
     let skipped: Vec<&str> = skipped_tensors(&ckpt, &naming)

@@ -15,6 +15,7 @@ pub fn run_logits(args: &LogitsArgs) -> anyhow::Result<()> {
     if args.ids.is_empty() {
         bail!("give --ids 1,2,3");
     }
+    crate::util::check_output_file(&args.out, "--out")?;
     let mut loaded = load(&args.source)?;
     loaded.apply_budget(&args.source, args.ids.len())?;
     let model = loaded.model();

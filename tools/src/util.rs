@@ -19,6 +19,34 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok((n * mult as f64) as u64)
 }
 
+/// Parse a duration in seconds: a finite number above 0 and at most a week.
+pub fn parse_seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(v.is_finite() && v > 0.0 && v <= 7.0 * 86400.0) {
+        return Err(format!(
+            "`{s}`: give a number of seconds above 0 and at most 604800 (a week)"
+        ));
+    }
+    Ok(v)
+}
+
+/// An output file may be created or replaced only if it is (or will be) a regular file: never
+/// a device node, FIFO, socket or directory.
+pub fn check_output_file(path: &std::path::Path, what: &str) -> anyhow::Result<()> {
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_file() {
+            anyhow::bail!(
+                "{what} {}: exists and is not a regular file; refusing to replace it",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn human(bytes: u64) -> String {
     let b = bytes as f64;
     if b >= (1u64 << 30) as f64 {

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use crate::arch::parts::{decoder_layer, dense_mlp, mla_attention, model_parts, MlaDims};
+use crate::arch::parts::{
+    check_dense, decoder_layer, dense_mlp, mla_attention, model_parts, MlaDims,
+};
 use crate::config::{DeepseekV3Config, ModelConfig};
 use crate::error::Result;
 use crate::ffn::feed_forward::FeedForward;
@@ -102,6 +104,12 @@ pub(crate) fn build_deepseek_v3(
                 latent: None,
             })
         } else {
+            check_dense(
+                &ld,
+                l,
+                &format!("{p}.mlp"),
+                "n_routed_experts / first_k_dense_replace / moe_layer_freq",
+            )?;
             Box::new(dense_mlp(
                 &ld,
                 &format!("{p}.mlp"),

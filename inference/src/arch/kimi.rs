@@ -6,7 +6,9 @@
 
 use std::sync::Arc;
 
-use crate::arch::parts::{decoder_layer, dense_mlp, embeddings_and_head, mla_attention, MlaDims};
+use crate::arch::parts::{
+    check_dense, decoder_layer, dense_mlp, embeddings_and_head, mla_attention, MlaDims,
+};
 use crate::config::{KimiAct, KimiConfig, ModelConfig, RouterScore};
 use crate::error::{InferenceError, Result};
 use crate::ffn::feed_forward::FeedForward;
@@ -221,6 +223,12 @@ pub(crate) fn build_kimi(
         let ffn: Box<dyn FeedForward> = if c.is_moe_layer(l) {
             Box::new(moe(&ld, &format!("{p}.block_sparse_moe"), c, &act)?)
         } else {
+            check_dense(
+                &ld,
+                l,
+                &format!("{p}.block_sparse_moe"),
+                "num_experts / first_k_dense_replace / moe_layer_freq",
+            )?;
             Box::new(dense_mlp(
                 &ld,
                 &format!("{p}.mlp"),

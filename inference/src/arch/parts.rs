@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{ConfigError, InferenceError, Result};
 use crate::ffn::dense::DenseMlp;
 use crate::ffn::feed_forward::FeedForward;
 use crate::linear::owned::Linear;
@@ -13,6 +13,28 @@ use crate::mixer::{MlaAttention, QProj, TokenMixer};
 use crate::model::{AddResidual, DecoderLayer, ModelParts};
 use crate::ops::Activation;
 use crate::rope::Rope;
+
+/// A layer the config makes dense must not have a router in the checkpoint
+/// (`{moe_prefix}.gate.weight`): if it has, the config's MoE keys (`keys`) are wrong (e.g.
+/// `n_routed_experts: 0`), and saying so beats reporting a missing dense tensor.
+pub(crate) fn check_dense(
+    ld: &Loader<'_>,
+    layer: usize,
+    moe_prefix: &str,
+    keys: &str,
+) -> Result<()> {
+    let router = format!("{}{moe_prefix}.gate.weight", ld.prefix);
+    if ld.src.has_tensor(&router) {
+        return Err(InferenceError::Config(ConfigError::invalid(
+            keys,
+            format!(
+                "decoder layer {layer} is dense by the config, but the checkpoint holds its \
+                 router `{router}`"
+            ),
+        )));
+    }
+    Ok(())
+}
 
 pub(crate) fn dense_mlp(
     ld: &Loader<'_>,

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::arch::parts::{decoder_layer, dense_mlp, model_parts};
+use crate::arch::parts::{check_dense, decoder_layer, dense_mlp, model_parts};
 use crate::config::{ModelConfig, Qwen3MoeConfig};
 use crate::error::Result;
 use crate::ffn::feed_forward::FeedForward;
@@ -73,6 +73,12 @@ pub(crate) fn build_qwen3_moe(
                 latent: None,
             })
         } else {
+            check_dense(
+                &ld,
+                l,
+                &format!("{p}.mlp"),
+                "num_experts / mlp_only_layers / decoder_sparse_step",
+            )?;
             Box::new(dense_mlp(
                 &ld,
                 &format!("{p}.mlp"),

@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use crate::config::act::HiddenAct;
 use crate::config::fields::{
-    check_finite, check_grouped_routing, check_norm_eps, parse_token_ids, positive, CResult,
-    Fields, RoutingKeys,
+    check_finite, check_grouped_routing, check_limits, check_norm_eps, parse_token_ids, positive,
+    CResult, Fields, RoutingKeys,
 };
 use crate::config::rope::RopeParameters;
 use crate::error::ConfigError;
@@ -133,6 +133,33 @@ impl DeepseekV3Config {
     }
 
     fn validate(&self) -> CResult<()> {
+        check_limits(&[
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("hidden_size", self.hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("n_routed_experts", self.n_routed_experts),
+            ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ])?;
+        // The router this crate implements: sigmoid scores with noaux_tc group selection.
+        if let Some(f) = &self.scoring_func {
+            if f != "sigmoid" {
+                return Err(ConfigError::unsupported(
+                    "scoring_func",
+                    format!("`{f}` (this build implements `sigmoid`)"),
+                ));
+            }
+        }
+        if let Some(m) = &self.topk_method {
+            if m != "noaux_tc" {
+                return Err(ConfigError::unsupported(
+                    "topk_method",
+                    format!("`{m}` (this build implements `noaux_tc`)"),
+                ));
+            }
+        }
         positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),

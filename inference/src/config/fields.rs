@@ -146,3 +146,34 @@ pub(crate) fn check_grouped_routing(
     }
     Ok(())
 }
+
+/// Upper limits on sizes read from a config, far above every released model: a config over
+/// one is refused before anything is allocated for it (a corrupt or hostile `config.json` must
+/// not abort the process with a failed allocation).
+pub(crate) const LIMITS: &[(&str, usize)] = &[
+    ("num_hidden_layers", 4096),
+    ("hidden_size", 1 << 17),
+    ("vocab_size", 1 << 24),
+    ("n_routed_experts", 1 << 16),
+    ("num_experts", 1 << 16),
+    ("intermediate_size", 1 << 20),
+    ("moe_intermediate_size", 1 << 20),
+    ("num_attention_heads", 1 << 12),
+    ("num_key_value_heads", 1 << 12),
+    ("max_position_embeddings", 1 << 24),
+];
+
+/// Every `(field, value)` within [`LIMITS`].
+pub(crate) fn check_limits(fields: &[(&str, usize)]) -> CResult<()> {
+    for &(name, v) in fields {
+        if let Some(&(_, max)) = LIMITS.iter().find(|(n, _)| *n == name) {
+            if v > max {
+                return Err(ConfigError::invalid(
+                    name,
+                    format!("{v} is over the {max} this build accepts"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::config::fields::{
-    check_finite, check_grouped_routing, check_norm_eps, parse_token_ids, positive, CResult,
-    Fields, RoutingKeys,
+    check_finite, check_grouped_routing, check_limits, check_norm_eps, parse_token_ids, positive,
+    CResult, Fields, RoutingKeys,
 };
 use crate::error::ConfigError;
 
@@ -411,6 +411,16 @@ impl KimiConfig {
     }
 
     fn validate(&self) -> CResult<()> {
+        check_limits(&[
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("hidden_size", self.hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("num_experts", self.num_experts),
+            ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ])?;
         positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),

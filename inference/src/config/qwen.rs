@@ -4,7 +4,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::config::act::HiddenAct;
-use crate::config::fields::{check_norm_eps, parse_token_ids, positive, CResult, Fields};
+use crate::config::fields::{
+    check_limits, check_norm_eps, parse_token_ids, positive, CResult, Fields,
+};
 use crate::config::rope::RopeParameters;
 use crate::error::ConfigError;
 
@@ -99,6 +101,30 @@ impl Qwen3MoeConfig {
     }
 
     fn validate(&self) -> CResult<()> {
+        check_limits(&[
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("hidden_size", self.hidden_size),
+            ("vocab_size", self.vocab_size),
+            ("num_experts", self.num_experts),
+            ("intermediate_size", self.intermediate_size),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ])?;
+        if let Some(&l) = self
+            .mlp_only_layers
+            .iter()
+            .find(|&&l| l >= self.num_hidden_layers)
+        {
+            return Err(ConfigError::invalid(
+                "mlp_only_layers",
+                format!(
+                    "layer {l} does not exist (num_hidden_layers is {})",
+                    self.num_hidden_layers
+                ),
+            ));
+        }
         positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),

@@ -57,8 +57,20 @@ impl RopeParameters {
         }
     }
 
-    /// Merge the config's rope fields the way transformers' `standardize_rope_params` does.
+    /// Merge the config's rope fields the way transformers' `standardize_rope_params` does;
+    /// `rope_theta` must be a finite number > 0.
     pub(crate) fn from_config(f: &Fields<'_>, default_theta: f64) -> CResult<Self> {
+        let p = Self::merge(f, default_theta)?;
+        if !(p.rope_theta.is_finite() && p.rope_theta > 0.0) {
+            return Err(ConfigError::invalid(
+                "rope_theta",
+                format!("{} is not a finite number > 0", p.rope_theta),
+            ));
+        }
+        Ok(p)
+    }
+
+    fn merge(f: &Fields<'_>, default_theta: f64) -> CResult<Self> {
         let top_theta: Option<f64> = f.opt("rope_theta")?;
         let (field, dict) = if let Some(v) = f.raw("rope_parameters") {
             ("rope_parameters", Some(v))

@@ -98,6 +98,7 @@ pub fn speculative_generate(
     drafter: &mut dyn Drafter,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<(GenerateOutput, SpecStats)> {
+    crate::generate::check_context(model, session.len(), prompt.len(), config.max_new_tokens)?;
     let mut sampler = Sampler::new(config.sampler.clone())?;
     let greedy = config.sampler.is_greedy();
     let mut rng = Rng::new(config.sampler.seed ^ 0x5350_4543_5f41_4343);

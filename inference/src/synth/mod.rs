@@ -191,6 +191,9 @@ pub fn write_synth(
     opts: &WriteOptions,
     progress: &dyn Progress,
 ) -> Result<SynthSummary> {
+    // The same validation a model load runs, before any tensor is planned: sizes within the
+    // limits, every key legal.
+    crate::config::ModelConfig::from_json(config)?;
     let naming = expert_naming(config)?;
     let is_expert = |name: &str| {
         matches!(

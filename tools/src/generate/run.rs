@@ -13,6 +13,9 @@ use crate::generate::report::{integrity_warnings, summary, to_json};
 use crate::generate::tokenizer::{find_tokenizer, Detok};
 
 pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
+    if let Some(p) = &args.spec.save_session {
+        crate::util::check_output_file(p, "--save-session")?;
+    }
     tame_allocator();
     // Cheap argument checks before a possibly long load.
     if args.prompt.is_none() && args.prompt_ids.as_ref().is_none_or(|v| v.is_empty()) {
