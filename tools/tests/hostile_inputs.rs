@@ -51,13 +51,10 @@ fn refused(out: &Output, needles: &[&str]) {
 }
 
 fn generate(model: &Path, extra: &[&str]) -> Output {
-    let mut args = vec![
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-ids",
-        "1,2,3",
-    ];
+    let mut args = vec!["generate", "--model", model.to_str().unwrap()];
+    if !extra.contains(&"--prompt") {
+        args.extend(["--prompt-ids", "1,2,3"]);
+    }
     if !extra.contains(&"-n") {
         args.extend(["-n", "4"]);
     }
@@ -226,4 +223,22 @@ fn the_demo_runs_on_the_tiny_preset() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("demo finished"), "{err}");
+}
+
+/// A tokenizer.json that makes the tokenizers library panic in its decoder deserializer
+/// (found by fuzz/fuzz_targets/tokenizer.rs): a clean error naming the file.
+#[test]
+fn a_malformed_tokenizer_is_an_error_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = tmp.path().join("tokenizer.json");
+    std::fs::write(
+        &bad,
+        r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":true,9:true},"model":{"type":"WordLevel","vocab":{"hello":0,"[UNK]":1},"unk_token":"[UNK]"}}"#,
+    )
+    .unwrap();
+    let out = generate(
+        &fixture("deepseek_v3_a"),
+        &["--tokenizer", bad.to_str().unwrap(), "--prompt", "hello"],
+    );
+    refused(&out, &[bad.to_str().unwrap(), "malformed tokenizer"]);
 }

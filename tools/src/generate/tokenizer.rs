@@ -47,12 +47,37 @@ pub(crate) fn load_tokenizer(
 ) -> anyhow::Result<Option<(PathBuf, tokenizers::Tokenizer)>> {
     match find_tokenizer(args, path)? {
         Some(p) => {
-            let t = tokenizers::Tokenizer::from_file(&p)
+            let t = without_panics(|| tokenizers::Tokenizer::from_file(&p))
+                .map_err(|what| anyhow::anyhow!("{}: malformed tokenizer ({what})", p.display()))?
                 .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
             Ok(Some((p, t)))
         }
         None => Ok(None),
     }
+}
+
+/// Run `f`, turning a panic into an error. The tokenizers crate panics on some malformed
+/// `tokenizer.json` files (our fuzz target found one in its decoder deserializer); a file
+/// shipped with a checkpoint is untrusted, so that must be an error naming the file, not a
+/// crash. The panic message is kept for the error instead of being printed.
+fn without_panics<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    let message = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let keep = message.clone();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if let Ok(mut m) = keep.lock() {
+            *m = info.to_string();
+        }
+    }));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(previous);
+    r.map_err(|_| {
+        let m = message.lock().map(|m| m.clone()).unwrap_or_default();
+        format!(
+            "the tokenizers library failed on it: {}",
+            m.lines().last().unwrap_or("")
+        )
+    })
 }
 
 /// Incremental detokenization: emits only text that later tokens cannot change (the approach
