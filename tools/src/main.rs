@@ -9,6 +9,7 @@ mod logits_cmd;
 mod progress;
 mod speculative_cmd;
 mod synth_cmd;
+mod template_cmd;
 mod util;
 mod verify_cmd;
 
@@ -40,6 +41,8 @@ enum Command {
     Generate(generate::args::GenerateArgs),
     /// One forward pass over token ids; write the logits [len, vocab] as f32 safetensors.
     Logits(generate::args::LogitsArgs),
+    /// Render a chat template with the given inputs and print exactly the rendered text.
+    Template(template_cmd::TemplateArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -89,5 +92,6 @@ fn run(command: &Command) -> anyhow::Result<()> {
         Command::Demo(a) => demo::run(a),
         Command::Generate(a) => generate::run::run_generate(a),
         Command::Logits(a) => logits_cmd::run_logits(a),
+        Command::Template(a) => template_cmd::run(a),
     }
 }

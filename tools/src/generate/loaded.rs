@@ -18,7 +18,7 @@ use crate::generate::tokenizer::load_tokenizer;
 /// A loaded model and facts about its source.
 pub(crate) struct Loaded {
     pub opened: OpenedModel,
-    pub tokenizer: Option<(PathBuf, tokenizers::Tokenizer)>,
+    pub tokenizer: Option<(PathBuf, deltafin_chat::ChatTokenizer)>,
     pub policy: CachePolicy,
     /// The RAM budget and how it was split (layouts).
     pub budget: Option<Budget>,
@@ -104,12 +104,7 @@ impl Loaded {
     /// Token ids of `text` when a tokenizer was found.
     pub(crate) fn encode(&self, text: &str) -> anyhow::Result<Option<Vec<u32>>> {
         match &self.tokenizer {
-            Some((_, t)) => Ok(Some(
-                t.encode(text, true)
-                    .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
-                    .get_ids()
-                    .to_vec(),
-            )),
+            Some((_, t)) => Ok(Some(t.encode(text, true)?)),
             None => Ok(None),
         }
     }

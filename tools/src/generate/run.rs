@@ -10,7 +10,8 @@ use deltafin_inference::{GenerateConfig, SamplerConfig};
 use crate::generate::args::GenerateArgs;
 use crate::generate::loaded::load;
 use crate::generate::report::{integrity_warnings, summary, to_json};
-use crate::generate::tokenizer::{find_tokenizer, Detok};
+use crate::generate::tokenizer::find_tokenizer;
+use deltafin_chat::detok::Detok;
 
 pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if let Some(p) = &args.spec.save_session {
@@ -32,7 +33,7 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         let path = ModelPath::detect(&args.source.model)?;
         if find_tokenizer(&args.source, &path)?.is_none() {
             bail!(
-                "--prompt needs a tokenizer.json and none was found for {} (looked {}); give \
+                "--prompt needs a tokenizer (tokenizer.json or tiktoken.model) and none was found for {} (looked {}); give \
                  --tokenizer FILE, or pass token ids with --prompt-ids 1,2,3",
                 args.source.model.display(),
                 match path {
@@ -53,9 +54,7 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
                 .as_ref()
                 .context("--prompt needs a tokenizer.json; use --prompt-ids")?;
             tok.encode(text.as_str(), true)
-                .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
-                .get_ids()
-                .to_vec()
+                .context("tokenizing the prompt")?
         }
         (None, Some(ids)) => ids.clone(),
         (None, None) => bail!("give --prompt TEXT or --prompt-ids 1,2,3"),
@@ -81,7 +80,7 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
 
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let mut detok = loaded.tokenizer.as_ref().map(|(_, t)| Detok::new(t));
+    let mut detok = loaded.tokenizer.as_ref().map(|(_, t)| Detok::new(t, true));
     let mut text = String::new();
     let mut io_err: Option<std::io::Error> = None;
     let mut detok_err: Option<anyhow::Error> = None;
@@ -97,7 +96,7 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
                 Some(d) => match d.push(id) {
                     Ok(s) => s,
                     Err(e) => {
-                        detok_err = Some(e);
+                        detok_err = Some(e.into());
                         return false;
                     }
                 },
@@ -128,7 +127,7 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         Some((_, tok)) => {
             let full = tok
                 .decode(&output.tokens, true)
-                .map_err(|e| anyhow::anyhow!("decoding tokens: {e}"))?;
+                .context("decoding tokens")?;
             if let Some(rest) = full.strip_prefix(text.as_str()) {
                 out.write_all(rest.as_bytes())?;
             }
