@@ -84,6 +84,161 @@ pub fn split(reply: &str, tags: &ThinkTags, started_inside: bool) -> Split {
     }
 }
 
+/// A piece of a streamed reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Delta {
+    Reasoning(String),
+    Content(String),
+}
+
+/// [`split`] for a stream: text comes in pieces, deltas go out as soon as no tag can still be
+/// forming at their end.
+#[derive(Debug)]
+pub struct ReasoningStream {
+    tags: ThinkTags,
+    state: State,
+    pending: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Before the opening tag (the reply may open it, or just answer).
+    Start,
+    Reasoning,
+    /// After the closing tag, before an answer-open tag (K3).
+    AfterThink,
+    Content,
+    /// After the answer-close tag: nothing more is content.
+    Done,
+}
+
+impl ReasoningStream {
+    pub fn new(tags: ThinkTags, started_inside: bool) -> Self {
+        ReasoningStream {
+            tags,
+            state: if started_inside {
+                State::Reasoning
+            } else {
+                State::Start
+            },
+            pending: String::new(),
+        }
+    }
+
+    /// Feed the next piece of text; returns the deltas that are now final.
+    pub fn push(&mut self, text: &str) -> Vec<Delta> {
+        self.pending.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            let before = (self.state, self.pending.len());
+            self.step(&mut out, false);
+            if (self.state, self.pending.len()) == before {
+                break;
+            }
+        }
+        out
+    }
+
+    /// The end of the reply: everything held back is final.
+    pub fn finish(&mut self) -> Vec<Delta> {
+        let mut out = Vec::new();
+        self.step(&mut out, true);
+        let rest = std::mem::take(&mut self.pending);
+        emit(&mut out, self.kind(), rest);
+        out
+    }
+
+    fn kind(&self) -> Option<fn(String) -> Delta> {
+        match self.state {
+            State::Reasoning => Some(Delta::Reasoning),
+            State::Start | State::AfterThink | State::Content => Some(Delta::Content),
+            State::Done => None,
+        }
+    }
+
+    fn step(&mut self, out: &mut Vec<Delta>, last: bool) {
+        let (tag, next) = match self.state {
+            State::Start => {
+                let t = self.pending.trim_start();
+                if t.is_empty() && !last {
+                    return;
+                }
+                if t.starts_with(self.tags.open.as_str()) {
+                    let skip = self.pending.len() - t.len() + self.tags.open.len();
+                    self.pending.drain(..skip);
+                    self.state = State::Reasoning;
+                } else if !self.tags.open.starts_with(t) || last {
+                    self.state = State::Content;
+                }
+                return;
+            }
+            State::Reasoning => (self.tags.close.clone(), State::AfterThink),
+            State::AfterThink => {
+                let t = self.pending.trim_start();
+                match &self.tags.answer {
+                    Some((open, _)) if t.starts_with(open.as_str()) => {
+                        let skip = self.pending.len() - t.len() + open.len();
+                        self.pending.drain(..skip);
+                        self.state = State::Content;
+                    }
+                    Some((open, _)) if open.starts_with(t) && !last => {}
+                    _ if t.is_empty() && !last => {}
+                    _ => {
+                        self.pending = t.to_string();
+                        self.state = State::Content;
+                    }
+                }
+                return;
+            }
+            State::Content => match &self.tags.answer {
+                Some((_, close)) => (close.clone(), State::Done),
+                None => {
+                    let rest = std::mem::take(&mut self.pending);
+                    emit(out, self.kind(), rest);
+                    return;
+                }
+            },
+            State::Done => {
+                self.pending.clear();
+                return;
+            }
+        };
+        if let Some(i) = self.pending.find(tag.as_str()) {
+            let before: String = self.pending.drain(..i).collect();
+            self.pending.drain(..tag.len());
+            emit(out, self.kind(), before);
+            self.state = next;
+            if self.state == State::AfterThink {
+                self.pending = self.pending.trim_start().to_string();
+            }
+            return;
+        }
+        // Emit all but a suffix that could be the start of the tag.
+        let keep = (1..tag.len().min(self.pending.len() + 1))
+            .rev()
+            .find(|&k| {
+                self.pending.is_char_boundary(self.pending.len() - k)
+                    && tag.starts_with(&self.pending[self.pending.len() - k..])
+            })
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        let ready: String = self.pending.drain(..cut).collect();
+        emit(out, self.kind(), ready);
+    }
+}
+
+fn emit(out: &mut Vec<Delta>, kind: Option<fn(String) -> Delta>, text: String) {
+    if text.is_empty() {
+        return;
+    }
+    let Some(k) = kind else { return };
+    match (out.last_mut(), k(text)) {
+        (Some(Delta::Reasoning(a)), Delta::Reasoning(b)) => a.push_str(&b),
+        (Some(Delta::Content(a)), Delta::Content(b)) => a.push_str(&b),
+        (_, d) => out.push(d),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,5 +267,52 @@ mod tests {
         assert_eq!(s.reasoning.as_deref(), Some("plan it"));
         assert_eq!(s.content, "Answer");
         assert_eq!(split("still", &k3, true).content, "");
+    }
+
+    /// Streaming in any pieces gives what splitting the whole reply gives.
+    #[test]
+    fn a_stream_splits_like_the_whole() {
+        let qwen = ThinkTags::detect("<think>").unwrap_or_else(|| unreachable!());
+        let k3 = ThinkTags::detect("<|open|>think<|sep|>").unwrap_or_else(|| unreachable!());
+        let cases = [
+            (&qwen, false, "<think>\nhmm, 2+2</think>\n\nIt is 4."),
+            (
+                &qwen,
+                false,
+                "Just an answer with </think> inside? no: plain.",
+            ),
+            (&qwen, true, "reasoning here</think>The answer."),
+            (
+                &k3,
+                true,
+                "plan<|close|>think<|sep|><|open|>response<|sep|>Answer é<|close|>response<|sep|>",
+            ),
+            (&k3, true, "never closed"),
+        ];
+        for (tags, inside, reply) in cases {
+            let whole = split(reply, tags, inside);
+            for step in [1, 2, 3, 7, 100] {
+                let mut s = ReasoningStream::new(tags.clone(), inside);
+                let mut deltas = Vec::new();
+                let chars: Vec<char> = reply.chars().collect();
+                for piece in chars.chunks(step) {
+                    deltas.extend(s.push(&piece.iter().collect::<String>()));
+                }
+                deltas.extend(s.finish());
+                let (mut r, mut c) = (String::new(), String::new());
+                for d in deltas {
+                    match d {
+                        Delta::Reasoning(x) => r.push_str(&x),
+                        Delta::Content(x) => c.push_str(&x),
+                    }
+                }
+                assert_eq!(c.trim(), whole.content.trim(), "{reply:?} step {step}");
+                assert_eq!(
+                    (!r.trim().is_empty()).then(|| r.trim().to_string()),
+                    whole.reasoning.clone().filter(|x| !x.is_empty()),
+                    "{reply:?} step {step}"
+                );
+            }
+        }
     }
 }

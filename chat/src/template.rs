@@ -30,6 +30,17 @@ pub struct TemplateTokens {
     pub eos_token: Option<String>,
 }
 
+impl TemplateTokens {
+    /// Those of `dir/tokenizer_config.json` (none when it is missing or unreadable).
+    pub fn from_model_dir(dir: &Path) -> TemplateTokens {
+        std::fs::read(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .map(|v| template_tokens(&v))
+            .unwrap_or_default()
+    }
+}
+
 impl ChatTemplate {
     /// Compile `source`.
     pub fn new(source: &str) -> Result<ChatTemplate> {

@@ -2,11 +2,13 @@
 
 mod bench_generate;
 mod bench_io;
+mod conversation;
 mod demo;
 mod generate;
 mod layout_cmd;
 mod logits_cmd;
 mod progress;
+mod serve;
 mod speculative_cmd;
 mod synth_cmd;
 mod template_cmd;
@@ -43,6 +45,8 @@ enum Command {
     Logits(generate::args::LogitsArgs),
     /// Render a chat template with the given inputs and print exactly the rendered text.
     Template(template_cmd::TemplateArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions).
+    Serve(serve::ServeArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -93,5 +97,6 @@ fn run(command: &Command) -> anyhow::Result<()> {
         Command::Generate(a) => generate::run::run_generate(a),
         Command::Logits(a) => logits_cmd::run_logits(a),
         Command::Template(a) => template_cmd::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }

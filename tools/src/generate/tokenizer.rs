@@ -54,3 +54,23 @@ pub(crate) fn load_tokenizer(
         None => Ok(None),
     }
 }
+
+/// Where the model's chat files are (`tokenizer_config.json`, `chat_template.jinja`): the
+/// model directory, or a layout's source checkpoint folder when it is still there, else the
+/// folder of the manifest.
+pub(crate) fn model_files_dir(args: &SourceArgs) -> anyhow::Result<PathBuf> {
+    match ModelPath::detect(&args.model)? {
+        ModelPath::Directory(d) => Ok(d),
+        ModelPath::Layout(m) => {
+            if let Ok(manifest) = Manifest::load(&m) {
+                if let Some(src) = manifest.meta.get("source") {
+                    let p = PathBuf::from(src);
+                    if p.is_dir() {
+                        return Ok(p);
+                    }
+                }
+            }
+            Ok(m.parent().map(PathBuf::from).unwrap_or_default())
+        }
+    }
+}
