@@ -21,6 +21,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     /// Where it came from (for messages).
     origin: Option<PathBuf>,
+    /// The thinking-section tags the template writes, if any.
+    think: Option<crate::reasoning::ThinkTags>,
 }
 
 /// The special-token strings `tokenizer_config.json` gives a template (`bos_token`, ...).
@@ -54,7 +56,17 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_template_owned(NAME, source.to_string())
             .map_err(|e| template_error(None, &e))?;
-        Ok(ChatTemplate { env, origin: None })
+        Ok(ChatTemplate {
+            env,
+            origin: None,
+            think: crate::reasoning::ThinkTags::detect(source),
+        })
+    }
+
+    /// The tags of the thinking section this template's model writes (`<think>`, K3's
+    /// `<|open|>think<|sep|>`), found in the template source.
+    pub fn think_tags(&self) -> Option<&crate::reasoning::ThinkTags> {
+        self.think.as_ref()
     }
 
     /// The template a model directory ships: `chat_template.jinja`, else the `chat_template`

@@ -84,6 +84,14 @@ impl ChatTokenizer {
         }
     }
 
+    /// The text of `id` when it is a special token (one that decoding with `skip_special`
+    /// drops), else None.
+    pub fn special_text(&self, id: u32) -> Option<String> {
+        let kept = self.decode(&[id], false).ok()?;
+        let skipped = self.decode(&[id], true).ok()?;
+        (!kept.is_empty() && skipped.is_empty()).then_some(kept)
+    }
+
     /// The id of a token written as `text` (a special token such as `<|im_end|>`).
     pub fn token_id(&self, text: &str) -> Option<u32> {
         match self {

@@ -26,6 +26,11 @@ pub(crate) struct Params {
     pub max_tokens: usize,
     pub sampler: SamplerConfig,
     pub stop: Vec<String>,
+    /// Keep generating past end-of-turn and EOS tokens (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
+    /// Leave special tokens out of the text, except those that make up the thinking tags
+    /// (vLLM's `skip_special_tokens`, default true).
+    pub skip_special_tokens: bool,
 }
 
 /// One finished reply.
@@ -164,15 +169,24 @@ impl<'l> Engine<'l> {
         let (mut session, reused, reuse) = self.cache.take(model, prompt_ids);
         let mut config = GenerateConfig::for_model(model, params.max_tokens);
         config.sampler = params.sampler.clone();
-        config.stop_tokens = self.stop_ids.clone();
+        config.stop_tokens = if params.ignore_eos {
+            Vec::new()
+        } else {
+            self.stop_ids.clone()
+        };
         config.prefill_chunk = self.prefill_chunk;
         // A prompt that ends by opening the thinking section makes the reply start inside it.
-        let tags = ThinkTags::detect(prompt_text);
+        let tags = self
+            .template
+            .think_tags()
+            .cloned()
+            .or_else(|| ThinkTags::detect(prompt_text));
         let inside = tags
             .as_ref()
             .is_some_and(|t| prompt_text.trim_end().ends_with(t.open.trim_end()));
         let mut split = tags.clone().map(|t| ReasoningStream::new(t, inside));
-        let mut detok = Detok::new(self.tokenizer, false);
+        let tokenizer = self.tokenizer;
+        let mut detok = Detok::new(tokenizer, false);
         let mut stops = StopStrings::new(&params.stop);
         let mut ttft = None;
         let mut stopped_by_string = false;
@@ -193,6 +207,20 @@ impl<'l> Engine<'l> {
             &config,
             &mut |id| {
                 ttft.get_or_insert_with(|| start.elapsed());
+                if params.skip_special_tokens {
+                    if let Some(special) = tokenizer.special_text(id) {
+                        let in_tags = tags.as_ref().is_some_and(|t| {
+                            t.open.contains(&special)
+                                || t.close.contains(&special)
+                                || t.answer.as_ref().is_some_and(|(o, c)| {
+                                    o.contains(&special) || c.contains(&special)
+                                })
+                        });
+                        if !in_tags {
+                            return true;
+                        }
+                    }
+                }
                 let piece = match detok.push(id) {
                     Ok(p) => p,
                     Err(e) => {

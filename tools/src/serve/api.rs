@@ -144,6 +144,10 @@ pub(crate) fn parse(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::bad("stream", "`stream` must be a boolean")),
     };
+    if let Some(p) = obj.get("logprobs").filter(|p| !matches!(p, Value::Null | Value::Bool(false))) {
+        let _ = p;
+        return Err(ApiError::bad("logprobs", "logprobs are not supported"));
+    }
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -159,10 +163,19 @@ pub(crate) fn parse(
             seed,
         }
     };
+    let flag = |k: &str, default: bool| -> Result<bool, ApiError> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(ApiError::bad(k, format!("`{k}` must be a boolean"))),
+        }
+    };
     let params = Params {
         max_tokens,
         sampler,
         stop,
+        ignore_eos: flag("ignore_eos", false)?,
+        skip_special_tokens: flag("skip_special_tokens", true)?,
     };
     let (inputs, prompt) = match endpoint {
         Endpoint::Chat => (chat_inputs(obj, &ordered)?, String::new()),

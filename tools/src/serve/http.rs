@@ -28,8 +28,6 @@ pub(crate) struct Ctx {
     pub metrics: Arc<Metrics>,
     pub default_max_tokens: usize,
     pub layout: Option<Arc<LayoutSource>>,
-    /// Seconds a rejected client is told to wait, per request queued ahead.
-    pub retry_after_s: u64,
 }
 
 /// Hand every incoming request to a thread of its own, for as long as the server runs.
@@ -188,7 +186,9 @@ fn generate(mut request: Request, ctx: &Ctx, endpoint: Endpoint) {
                 param: None,
                 message: format!("the server is busy ({waiting} requests waiting); retry later"),
             };
-            let retry = (ctx.retry_after_s * waiting as u64).max(1).to_string();
+            // Wait for the queue ahead to drain, at the mean generation time seen so far.
+            let mean = ctx.metrics.mean_generation_s().unwrap_or(1.0);
+            let retry = ((mean * waiting as f64).ceil() as u64).clamp(1, 3600).to_string();
             let response = Response::from_string(e.json().to_string())
                 .with_status_code(429)
                 .with_header(header("Content-Type", "application/json"))

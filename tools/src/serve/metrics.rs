@@ -41,6 +41,8 @@ struct Totals {
     decode_tokens: u64,
     last_ttft_s: f64,
     last_decode_tokens_per_s: f64,
+    /// Wall time of finished generations.
+    total_s: f64,
 }
 
 impl Metrics {
@@ -50,6 +52,7 @@ impl Metrics {
             return;
         };
         t.requests += 1;
+        t.total_s += r.total.as_secs_f64();
         t.cancelled += u64::from(r.finish_reason == "cancelled");
         t.prompt_tokens += r.prompt_tokens as u64;
         t.reused_tokens += r.reused_tokens as u64;
@@ -68,6 +71,12 @@ impl Metrics {
                 t.last_decode_tokens_per_s = n as f64 / decode;
             }
         }
+    }
+
+    /// Mean wall time of a generation so far (None before the first).
+    pub(crate) fn mean_generation_s(&self) -> Option<f64> {
+        let t = self.totals.lock().ok()?;
+        (t.requests > 0).then(|| t.total_s / t.requests as f64)
     }
 
     /// The Prometheus text exposition.

@@ -108,9 +108,14 @@ pub fn run(a: &ServeArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("listening on {}:{}: {e}", a.host, a.port))?;
     let (tx, rx) = bounded::<Job>(a.queue.max(1));
     let metrics = Arc::new(Metrics::default());
+    // The bound address (a --port 0 gets one from the system), for people and scripts.
+    let addr = server
+        .server_addr()
+        .to_ip()
+        .map_or_else(|| format!("{}:{}", a.host, a.port), |s| s.to_string());
     eprintln!(
-        "deltafin serve: `{name}` on http://{}:{} (context {context}, queue {})",
-        a.host, a.port, a.queue
+        "deltafin serve: `{name}` on http://{addr} (context {context}, queue {})",
+        a.queue
     );
     let ctx = http::Ctx {
         model: name.clone(),
@@ -118,7 +123,6 @@ pub fn run(a: &ServeArgs) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         default_max_tokens: a.default_max_tokens,
         layout: loaded.opened.layout.clone(),
-        retry_after_s: 10,
     };
     std::thread::scope(|s| {
         let (server, ctx) = (&server, &ctx);
