@@ -144,7 +144,10 @@ pub(crate) fn parse(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::bad("stream", "`stream` must be a boolean")),
     };
-    if let Some(p) = obj.get("logprobs").filter(|p| !matches!(p, Value::Null | Value::Bool(false))) {
+    if let Some(p) = obj
+        .get("logprobs")
+        .filter(|p| !matches!(p, Value::Null | Value::Bool(false)))
+    {
         let _ = p;
         return Err(ApiError::bad("logprobs", "logprobs are not supported"));
     }

@@ -1,21 +1,22 @@
-//! The HTTP side of `deltafin serve`: routes, request bodies (size-capped), queueing with 429,
-//! JSON replies and server-sent-event streams. Each request runs on its own thread; only the
-//! generator touches the model.
+//! The HTTP side of `deltafin serve`: routes, queueing with 429, JSON replies and
+//! server-sent-event streams, and cancelling the generation of a client that went away. Each
+//! connection runs on its own thread ([`wire`] frames its requests); only the generator touches
+//! the model.
 
-use std::io::{Read, Write};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::Scope;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crossbeam_channel::{unbounded, Sender, TrySendError};
+use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use deltafin_chat::reasoning::Delta;
 use deltafin_inference::LayoutSource;
 use serde_json::{json, Value};
-use tiny_http::{Header, Method, Request, Response, Server};
 
 use crate::serve::api::{self, ApiError, Endpoint};
 use crate::serve::metrics::Metrics;
+use crate::serve::wire::{Conn, HttpRequest, ReadError};
 use crate::serve::{Event, Job};
 
 /// Largest request body accepted (a long conversation with tools fits many times over).
@@ -28,16 +29,73 @@ pub(crate) struct Ctx {
     pub metrics: Arc<Metrics>,
     pub default_max_tokens: usize,
     pub layout: Option<Arc<LayoutSource>>,
+    /// Connections open now.
+    pub connections: AtomicUsize,
 }
 
-/// Hand every incoming request to a thread of its own, for as long as the server runs.
+/// Most connections served at once; more are answered 503 and closed.
+const MAX_CONNECTIONS: usize = 256;
+/// How often a request waiting on the generator checks that its client is still there.
+const CLIENT_CHECK: Duration = Duration::from_millis(200);
+
+/// Serve every connection on a thread of its own, for as long as the server runs.
 pub(crate) fn accept<'scope>(
-    server: &'scope Server,
+    listener: &'scope TcpListener,
     ctx: &'scope Ctx,
     scope: &'scope Scope<'scope, '_>,
 ) {
-    for request in server.incoming_requests() {
-        scope.spawn(move || handle(request, ctx));
+    for stream in listener.incoming() {
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                // Out of descriptors and the like: let connections finish, then go on.
+                eprintln!("warning: accepting a connection: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let mut conn = Conn::new(stream);
+        if ctx.connections.fetch_add(1, Ordering::Relaxed) >= MAX_CONNECTIONS {
+            ctx.connections.fetch_sub(1, Ordering::Relaxed);
+            let e = ApiError {
+                status: 503,
+                kind: "server_error",
+                param: None,
+                message: format!("more than {MAX_CONNECTIONS} connections; retry later"),
+            };
+            let _ = conn.respond(503, JSON, &[], e.json().to_string().as_bytes(), false);
+            continue;
+        }
+        scope.spawn(move || {
+            serve_connection(conn, ctx);
+            ctx.connections.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+}
+
+const JSON: &str = "application/json";
+
+fn serve_connection(mut conn: Conn, ctx: &Ctx) {
+    loop {
+        match conn.read_request(MAX_BODY_BYTES) {
+            Ok(req) => {
+                if !handle(&mut conn, req, ctx) {
+                    return;
+                }
+            }
+            Err(ReadError::Closed) => return,
+            Err(ReadError::Refuse(status, message)) => {
+                let e = ApiError {
+                    status,
+                    kind: "invalid_request_error",
+                    param: None,
+                    message,
+                };
+                respond_error(&mut conn, ctx, &e, false);
+                conn.linger();
+                return;
+            }
+        }
     }
 }
 
@@ -58,75 +116,63 @@ fn completion_id(endpoint: Endpoint) -> String {
     format!("{prefix}-{:x}{n:06x}", now_s())
 }
 
-fn header(name: &str, value: &str) -> Header {
-    // Names and values here are ASCII constants or numbers, which always make a header.
-    Header::from_bytes(name.as_bytes(), value.as_bytes())
-        .unwrap_or_else(|_| Header::from_bytes(&b"X-Invalid"[..], &b"1"[..]).expect("ASCII header"))
+/// Write a JSON reply; false when the connection is unusable afterwards.
+fn respond_json(conn: &mut Conn, status: u16, body: &Value, keep_alive: bool) -> bool {
+    conn.respond(status, JSON, &[], body.to_string().as_bytes(), keep_alive)
+        .is_ok()
+        && keep_alive
 }
 
-fn respond_json(request: Request, status: u16, body: &Value) {
-    let response = Response::from_string(body.to_string())
-        .with_status_code(status)
-        .with_header(header("Content-Type", "application/json"));
-    // A client that went away needs no answer.
-    let _ = request.respond(response);
-}
-
-fn respond_error(request: Request, ctx: &Ctx, e: &ApiError) {
+fn respond_error(conn: &mut Conn, ctx: &Ctx, e: &ApiError, keep_alive: bool) -> bool {
     let counter = if e.status >= 500 {
         &ctx.metrics.server_errors
     } else {
         &ctx.metrics.client_errors
     };
     counter.fetch_add(1, Ordering::Relaxed);
-    respond_json(request, e.status, &e.json());
+    respond_json(conn, e.status, &e.json(), keep_alive)
 }
 
-fn handle(mut request: Request, ctx: &Ctx) {
-    let path = request
-        .url()
-        .split('?')
-        .next()
-        .unwrap_or("")
-        .trim_end_matches('/')
-        .to_string();
-    let method = request.method().clone();
-    match (method, path.as_str()) {
-        (Method::Get, "/health") => respond_json(request, 200, &json!({"status": "ok"})),
-        (Method::Get, "/v1/models") => {
-            let body = json!({"object": "list", "data": [model_json(ctx)]});
-            respond_json(request, 200, &body)
+/// Answer one request; false when the connection should close.
+fn handle(conn: &mut Conn, req: HttpRequest, ctx: &Ctx) -> bool {
+    let path = req.path.trim_end_matches('/');
+    let keep = req.keep_alive;
+    match (req.method.as_str(), path) {
+        ("GET", "/health") => respond_json(conn, 200, &json!({"status": "ok"}), keep),
+        ("GET", "/v1/models") => respond_json(
+            conn,
+            200,
+            &json!({"object": "list", "data": [model_json(ctx)]}),
+            keep,
+        ),
+        ("GET", p) if p.strip_prefix("/v1/models/") == Some(ctx.model.as_str()) => {
+            respond_json(conn, 200, &model_json(ctx), keep)
         }
-        (Method::Get, p) if p.strip_prefix("/v1/models/") == Some(ctx.model.as_str()) => {
-            respond_json(request, 200, &model_json(ctx))
-        }
-        (Method::Get, "/metrics") => {
+        ("GET", "/metrics") => {
             let text = ctx.metrics.render(ctx.layout.as_deref());
-            let response = Response::from_string(text)
-                .with_header(header("Content-Type", "text/plain; version=0.0.4"));
-            let _ = request.respond(response);
+            conn.respond(200, "text/plain; version=0.0.4", &[], text.as_bytes(), keep)
+                .is_ok()
+                && keep
         }
-        (Method::Post, "/v1/chat/completions") => generate(request, ctx, Endpoint::Chat),
-        (Method::Post, "/v1/completions") => generate(request, ctx, Endpoint::Completions),
-        (_, "/health" | "/v1/models" | "/metrics" | "/v1/chat/completions" | "/v1/completions") => {
+        ("POST", "/v1/chat/completions") => generate(conn, &req, ctx, Endpoint::Chat),
+        ("POST", "/v1/completions") => generate(conn, &req, ctx, Endpoint::Completions),
+        (m, "/health" | "/v1/models" | "/metrics" | "/v1/chat/completions" | "/v1/completions") => {
             let e = ApiError {
                 status: 405,
                 kind: "invalid_request_error",
                 param: None,
-                message: format!("{} is not allowed on {path}", request.method()),
+                message: format!("{m} is not allowed on {path}"),
             };
-            respond_error(request, ctx, &e)
+            respond_error(conn, ctx, &e, keep)
         }
         _ => {
-            // Drain a small body so the connection stays usable.
-            let _ = std::io::copy(&mut request.as_reader().take(1 << 16), &mut std::io::sink());
             let e = ApiError {
                 status: 404,
                 kind: "invalid_request_error",
                 param: None,
-                message: format!("no route {path}"),
+                message: format!("no route {} {path}", req.method),
             };
-            respond_error(request, ctx, &e)
+            respond_error(conn, ctx, &e, keep)
         }
     }
 }
@@ -135,40 +181,35 @@ fn model_json(ctx: &Ctx) -> Value {
     json!({"id": ctx.model, "object": "model", "created": 0, "owned_by": "deltafin"})
 }
 
-/// Read the body, at most [`MAX_BODY_BYTES`].
-fn read_body(request: &mut Request) -> Result<Vec<u8>, ApiError> {
-    let too_big = || ApiError {
-        status: 413,
-        kind: "invalid_request_error",
-        param: None,
-        message: format!("the request body is over {MAX_BODY_BYTES} bytes"),
-    };
-    if request.body_length().is_some_and(|n| n > MAX_BODY_BYTES) {
-        return Err(too_big());
+/// The next event of a job, checking every [`CLIENT_CHECK`] that the client is still there;
+/// None when it is gone (the job is then cancelled) or the generator dropped the job.
+fn next_event(
+    events: &Receiver<Event>,
+    cancelled: &AtomicBool,
+    gone: &mut dyn FnMut() -> bool,
+) -> Option<Event> {
+    loop {
+        match events.recv_timeout(CLIENT_CHECK) {
+            Ok(e) => return Some(e),
+            Err(RecvTimeoutError::Timeout) => {
+                if gone() {
+                    cancelled.store(true, Ordering::Relaxed);
+                    return None;
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => return None,
+        }
     }
-    let mut body = Vec::new();
-    request
-        .as_reader()
-        .take(MAX_BODY_BYTES as u64 + 1)
-        .read_to_end(&mut body)
-        .map_err(|e| ApiError::bad("body", format!("reading the body: {e}")))?;
-    if body.len() > MAX_BODY_BYTES {
-        return Err(too_big());
-    }
-    Ok(body)
 }
 
-fn generate(mut request: Request, ctx: &Ctx, endpoint: Endpoint) {
-    let req = match read_body(&mut request)
-        .and_then(|b| api::parse(endpoint, &b, &ctx.model, ctx.default_max_tokens))
-    {
-        Ok(r) => r,
-        Err(e) => return respond_error(request, ctx, &e),
+fn generate(conn: &mut Conn, http: &HttpRequest, ctx: &Ctx, endpoint: Endpoint) -> bool {
+    let keep = http.keep_alive;
+    let req = match api::parse(endpoint, &http.body, &ctx.model, ctx.default_max_tokens) {
+        Ok(r) => Arc::new(r),
+        Err(e) => return respond_error(conn, ctx, &e, keep),
     };
     let (events_tx, events) = unbounded();
     let cancelled = Arc::new(AtomicBool::new(false));
-    let stream = req.stream;
-    let req = Arc::new(req);
     ctx.metrics.queued.fetch_add(1, Ordering::Relaxed);
     let job = Job {
         req: req.clone(),
@@ -188,13 +229,18 @@ fn generate(mut request: Request, ctx: &Ctx, endpoint: Endpoint) {
             };
             // Wait for the queue ahead to drain, at the mean generation time seen so far.
             let mean = ctx.metrics.mean_generation_s().unwrap_or(1.0);
-            let retry = ((mean * waiting as f64).ceil() as u64).clamp(1, 3600).to_string();
-            let response = Response::from_string(e.json().to_string())
-                .with_status_code(429)
-                .with_header(header("Content-Type", "application/json"))
-                .with_header(header("Retry-After", &retry));
-            let _ = request.respond(response);
-            return;
+            let retry = ((mean * waiting as f64).ceil() as u64).clamp(1, 3600);
+            let body = e.json().to_string();
+            return conn
+                .respond(
+                    429,
+                    JSON,
+                    &[("Retry-After", retry.to_string())],
+                    body.as_bytes(),
+                    keep,
+                )
+                .is_ok()
+                && keep;
         }
         Err(TrySendError::Disconnected(_)) => {
             ctx.metrics.queued.fetch_sub(1, Ordering::Relaxed);
@@ -204,62 +250,54 @@ fn generate(mut request: Request, ctx: &Ctx, endpoint: Endpoint) {
                 param: None,
                 message: "the generator has stopped".into(),
             };
-            return respond_error(request, ctx, &e);
+            return respond_error(conn, ctx, &e, false);
         }
     }
     let id = completion_id(endpoint);
     let created = now_s();
-    if !stream {
+    if !req.stream {
         // Deltas are only for streams; wait for the end.
-        let done = events.iter().find_map(|e| match e {
-            Event::Done(r) => Some(r),
-            _ => None,
-        });
-        match done {
-            Some(Ok(reply)) => {
-                let body = api::reply_json(&req, &reply, &id, &ctx.model, created);
-                respond_json(request, 200, &body)
+        loop {
+            match next_event(&events, &cancelled, &mut || conn.client_gone()) {
+                Some(Event::Done(Ok(reply))) => {
+                    let body = api::reply_json(&req, &reply, &id, &ctx.model, created);
+                    return respond_json(conn, 200, &body, keep);
+                }
+                Some(Event::Done(Err(e))) => return respond_error(conn, ctx, &e, keep),
+                Some(_) => {}
+                None if cancelled.load(Ordering::Relaxed) => return false,
+                None => return respond_error(conn, ctx, &internal_gone(), false),
             }
-            Some(Err(e)) => respond_error(request, ctx, &e),
-            None => respond_error(request, ctx, &internal_gone()),
         }
-        return;
     }
     // A stream: errors found before generation starts (template, context) are plain JSON
     // errors with their status; after that, events.
-    let mut first = events.recv().ok();
-    match first.take() {
+    match next_event(&events, &cancelled, &mut || conn.client_gone()) {
         Some(Event::Started) => {}
-        Some(Event::Done(Err(e))) => return respond_error(request, ctx, &e),
+        Some(Event::Done(Err(e))) => return respond_error(conn, ctx, &e, keep),
+        None if cancelled.load(Ordering::Relaxed) => return false,
         Some(Event::Done(Ok(_)) | Event::Delta(_)) | None => {
-            return respond_error(request, ctx, &internal_gone())
+            return respond_error(conn, ctx, &internal_gone(), false)
         }
     }
-    let chunked = request.http_version() >= &tiny_http::HTTPVersion(1, 1);
-    let mut sse = SseWriter {
-        out: request.into_writer(),
-        chunked,
-    };
-    let head = if chunked {
-        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
-         Transfer-Encoding: chunked\r\n\r\n"
-    } else {
-        "HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\
-         Connection: close\r\n\r\n"
-    };
     let chunk = |delta: Value, finish: Option<&str>| {
         api::chunk_json(&req, &id, &ctx.model, created, delta, finish)
     };
-    let mut ok = sse.raw(head.as_bytes()).is_ok();
-    if ok && endpoint == Endpoint::Chat {
+    let Ok(mut sse) = conn.start_events(http.minor) else {
+        cancelled.store(true, Ordering::Relaxed);
+        return false;
+    };
+    let mut ok = true;
+    if endpoint == Endpoint::Chat {
         ok = sse
-            .event(&chunk(json!({"role": "assistant", "content": ""}), None))
+            .data(&chunk(json!({"role": "assistant", "content": ""}), None).to_string())
             .is_ok();
     }
-    for event in events.iter() {
-        if !ok {
+    while ok {
+        let Some(event) = next_event(&events, &cancelled, &mut || sse.client_gone()) else {
+            ok = false;
             break;
-        }
+        };
         match event {
             Event::Started => {}
             Event::Delta(d) => {
@@ -267,33 +305,36 @@ fn generate(mut request: Request, ctx: &Ctx, endpoint: Endpoint) {
                     Delta::Content(t) => json!({"content": t}),
                     Delta::Reasoning(t) => json!({"reasoning_content": t}),
                 };
-                ok = sse.event(&chunk(delta, None)).is_ok();
+                ok = sse.data(&chunk(delta, None).to_string()).is_ok();
             }
             Event::Done(Ok(reply)) => {
                 let finish = api::finish_reason(&reply);
-                ok = sse.event(&chunk(json!({}), Some(finish))).is_ok();
+                ok = sse
+                    .data(&chunk(json!({}), Some(finish)).to_string())
+                    .is_ok();
                 if ok && req.include_usage {
                     let mut u = chunk(json!({}), None);
                     u["choices"] = json!([]);
                     u["usage"] = api::usage(&reply);
-                    ok = sse.event(&u).is_ok();
+                    ok = sse.data(&u.to_string()).is_ok();
                 }
                 break;
             }
             Event::Done(Err(e)) => {
-                ok = sse.event(&e.json()).is_ok();
+                ok = sse.data(&e.json().to_string()).is_ok();
                 break;
             }
         }
     }
     if ok {
-        ok = sse.raw(b"data: [DONE]\n\n").is_ok() && sse.end().is_ok();
+        ok = sse.data("[DONE]").is_ok() && sse.finish().is_ok();
     }
     if !ok {
         // The client went away: stop its generation (the generator also sees its events
         // channel closed once `events` is dropped).
         cancelled.store(true, Ordering::Relaxed);
     }
+    ok && keep && http.minor >= 1
 }
 
 fn internal_gone() -> ApiError {
@@ -302,36 +343,5 @@ fn internal_gone() -> ApiError {
         kind: "server_error",
         param: None,
         message: "the generation ended without a result".into(),
-    }
-}
-
-/// Server-sent events over the raw connection, chunk-encoded on HTTP/1.1 so the connection
-/// stays usable afterwards, flushed after every event so tokens reach the client as they come.
-struct SseWriter {
-    out: Box<dyn Write + Send>,
-    chunked: bool,
-}
-
-impl SseWriter {
-    fn raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        if self.chunked && !bytes.starts_with(b"HTTP/") {
-            write!(self.out, "{:x}\r\n", bytes.len())?;
-            self.out.write_all(bytes)?;
-            self.out.write_all(b"\r\n")?;
-        } else {
-            self.out.write_all(bytes)?;
-        }
-        self.out.flush()
-    }
-
-    fn event(&mut self, v: &Value) -> std::io::Result<()> {
-        self.raw(format!("data: {v}\n\n").as_bytes())
-    }
-
-    fn end(&mut self) -> std::io::Result<()> {
-        if self.chunked {
-            self.out.write_all(b"0\r\n\r\n")?;
-        }
-        self.out.flush()
     }
 }

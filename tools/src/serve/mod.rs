@@ -10,6 +10,7 @@
 pub(crate) mod api;
 mod http;
 mod metrics;
+mod wire;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -104,15 +105,14 @@ pub fn run(a: &ServeArgs) -> anyhow::Result<()> {
         a.snapshot_dir.as_deref(),
         a.source.prefill_chunk,
     )?;
-    let server = tiny_http::Server::http((a.host.as_str(), a.port))
-        .map_err(|e| anyhow::anyhow!("listening on {}:{}: {e}", a.host, a.port))?;
+    let server = std::net::TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
     let (tx, rx) = bounded::<Job>(a.queue.max(1));
     let metrics = Arc::new(Metrics::default());
     // The bound address (a --port 0 gets one from the system), for people and scripts.
     let addr = server
-        .server_addr()
-        .to_ip()
-        .map_or_else(|| format!("{}:{}", a.host, a.port), |s| s.to_string());
+        .local_addr()
+        .map_or_else(|_| format!("{}:{}", a.host, a.port), |s| s.to_string());
     eprintln!(
         "deltafin serve: `{name}` on http://{addr} (context {context}, queue {})",
         a.queue
@@ -123,6 +123,7 @@ pub fn run(a: &ServeArgs) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         default_max_tokens: a.default_max_tokens,
         layout: loaded.opened.layout.clone(),
+        connections: Default::default(),
     };
     std::thread::scope(|s| {
         let (server, ctx) = (&server, &ctx);
