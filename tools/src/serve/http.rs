@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::Scope;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{unbounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use deltafin_chat::reasoning::Delta;
@@ -181,23 +181,31 @@ fn model_json(ctx: &Ctx) -> Value {
     json!({"id": ctx.model, "object": "model", "created": 0, "owned_by": "deltafin"})
 }
 
-/// The next event of a job, checking every [`CLIENT_CHECK`] that the client is still there;
-/// None when it is gone (the job is then cancelled) or the generator dropped the job.
-fn next_event(
-    events: &Receiver<Event>,
-    cancelled: &AtomicBool,
-    gone: &mut dyn FnMut() -> bool,
-) -> Option<Event> {
-    loop {
-        match events.recv_timeout(CLIENT_CHECK) {
-            Ok(e) => return Some(e),
-            Err(RecvTimeoutError::Timeout) => {
+/// Watches a job's client while its events come: every [`CLIENT_CHECK`] (whether events
+/// arrive or not) it checks that the client is still there.
+struct Watch<'a> {
+    events: &'a Receiver<Event>,
+    cancelled: &'a AtomicBool,
+    last_check: Instant,
+}
+
+impl Watch<'_> {
+    /// The next event; None when the client is gone (the job is then cancelled) or the
+    /// generator dropped the job.
+    fn next(&mut self, gone: &mut dyn FnMut() -> bool) -> Option<Event> {
+        loop {
+            if self.last_check.elapsed() >= CLIENT_CHECK {
+                self.last_check = Instant::now();
                 if gone() {
-                    cancelled.store(true, Ordering::Relaxed);
+                    self.cancelled.store(true, Ordering::Relaxed);
                     return None;
                 }
             }
-            Err(RecvTimeoutError::Disconnected) => return None,
+            match self.events.recv_timeout(CLIENT_CHECK) {
+                Ok(e) => return Some(e),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return None,
+            }
         }
     }
 }
@@ -255,10 +263,15 @@ fn generate(conn: &mut Conn, http: &HttpRequest, ctx: &Ctx, endpoint: Endpoint) 
     }
     let id = completion_id(endpoint);
     let created = now_s();
+    let mut watch = Watch {
+        events: &events,
+        cancelled: &cancelled,
+        last_check: Instant::now(),
+    };
     if !req.stream {
         // Deltas are only for streams; wait for the end.
         loop {
-            match next_event(&events, &cancelled, &mut || conn.client_gone()) {
+            match watch.next(&mut || conn.client_gone()) {
                 Some(Event::Done(Ok(reply))) => {
                     let body = api::reply_json(&req, &reply, &id, &ctx.model, created);
                     return respond_json(conn, 200, &body, keep);
@@ -272,7 +285,7 @@ fn generate(conn: &mut Conn, http: &HttpRequest, ctx: &Ctx, endpoint: Endpoint) 
     }
     // A stream: errors found before generation starts (template, context) are plain JSON
     // errors with their status; after that, events.
-    match next_event(&events, &cancelled, &mut || conn.client_gone()) {
+    match watch.next(&mut || conn.client_gone()) {
         Some(Event::Started) => {}
         Some(Event::Done(Err(e))) => return respond_error(conn, ctx, &e, keep),
         None if cancelled.load(Ordering::Relaxed) => return false,
@@ -294,7 +307,7 @@ fn generate(conn: &mut Conn, http: &HttpRequest, ctx: &Ctx, endpoint: Endpoint) 
             .is_ok();
     }
     while ok {
-        let Some(event) = next_event(&events, &cancelled, &mut || sse.client_gone()) else {
+        let Some(event) = watch.next(&mut || sse.client_gone()) else {
             ok = false;
             break;
         };

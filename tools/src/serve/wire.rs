@@ -134,6 +134,19 @@ impl Conn {
             })?,
         };
         if length > max_body as u64 {
+            // A body a few times the cap is read and dropped, so the client (still sending)
+            // sees the refusal; a larger one is not waited for.
+            if length <= 8 * max_body as u64 {
+                let mut left = (length as usize).saturating_sub(self.buf.len() - head_len);
+                self.buf.clear();
+                while left > 0 {
+                    match self.fill() {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => left = left.saturating_sub(n),
+                    }
+                    self.buf.clear();
+                }
+            }
             return Err(ReadError::Refuse(
                 413,
                 format!("the request body is {length} bytes; at most {max_body} are accepted"),
