@@ -2,6 +2,7 @@
 
 mod bench_generate;
 mod bench_io;
+mod chat_cmd;
 mod conversation;
 mod demo;
 mod generate;
@@ -45,6 +46,9 @@ enum Command {
     Logits(generate::args::LogitsArgs),
     /// Render a chat template with the given inputs and print exactly the rendered text.
     Template(template_cmd::TemplateArgs),
+    /// Talk to the model in the terminal (its chat template; each turn prefills only its new
+    /// tokens).
+    Chat(chat_cmd::ChatArgs),
     /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions).
     Serve(serve::ServeArgs),
     /// Benchmarks.
@@ -98,5 +102,6 @@ fn run(command: &Command) -> anyhow::Result<()> {
         Command::Logits(a) => logits_cmd::run_logits(a),
         Command::Template(a) => template_cmd::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Chat(a) => chat_cmd::run(a),
     }
 }

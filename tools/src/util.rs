@@ -47,6 +47,38 @@ pub fn check_output_file(path: &std::path::Path, what: &str) -> anyhow::Result<(
     Ok(())
 }
 
+/// Write `bytes` to `path` atomically (a temporary file beside it, then a rename), only if
+/// `path` is or will be a regular file.
+pub fn write_regular_file(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    check_output_file(path, "output")?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
+/// Read a regular file of at most `cap` bytes.
+pub fn read_capped(path: &std::path::Path, cap: u64) -> anyhow::Result<Vec<u8>> {
+    use std::io::Read;
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        anyhow::bail!("{} is not a regular file", path.display());
+    }
+    if meta.len() > cap {
+        anyhow::bail!(
+            "{} is {} bytes; at most {cap} are read",
+            path.display(),
+            meta.len()
+        );
+    }
+    let mut out = Vec::new();
+    std::fs::File::open(path)?.take(cap).read_to_end(&mut out)?;
+    Ok(out)
+}
+
 pub fn human(bytes: u64) -> String {
     let b = bytes as f64;
     if b >= (1u64 << 30) as f64 {

@@ -157,6 +157,33 @@ impl SessionCache {
         }
     }
 
+    /// Write the kept state that shares the longest prefix with `tokens` to `path` (a
+    /// snapshot, written atomically); returns the positions it holds.
+    pub(crate) fn save_best(
+        &self,
+        model: &Model,
+        tokens: &[u32],
+        path: &Path,
+    ) -> anyhow::Result<usize> {
+        let best = self
+            .entries
+            .iter()
+            .max_by_key(|e| common(&e.history, tokens))
+            .filter(|e| common(&e.history, tokens) > 0)
+            .ok_or_else(|| anyhow::anyhow!("no conversation state to save yet"))?;
+        snapshot::save(path, model, &self.hash, &best.session, &best.history)?;
+        Ok(best.history.len())
+    }
+
+    /// Keep the state of a snapshot written by [`SessionCache::save_best`]; returns the
+    /// positions it holds.
+    pub(crate) fn load_file(&mut self, model: &Model, path: &Path) -> anyhow::Result<usize> {
+        let (session, history) = snapshot::load(path, model, &self.hash)?;
+        let n = history.len();
+        self.put(model, history, session);
+        Ok(n)
+    }
+
     /// Bytes of state held in memory.
     pub(crate) fn bytes(&self) -> usize {
         self.entries.iter().map(|e| e.session.memory_bytes()).sum()
