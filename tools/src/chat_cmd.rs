@@ -189,6 +189,7 @@ pub fn run(a: &ChatArgs) -> anyhow::Result<()> {
         stop: Vec::new(),
         ignore_eos: a.ignore_eos,
         skip_special_tokens: true,
+        cache_prompt: true,
     };
     if std::io::stdin().is_terminal() {
         eprintln!(

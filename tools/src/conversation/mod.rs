@@ -31,6 +31,9 @@ pub(crate) struct Params {
     /// Leave special tokens out of the text, except those that make up the thinking tags
     /// (vLLM's `skip_special_tokens`, default true).
     pub skip_special_tokens: bool,
+    /// Reuse (and keep) conversation states (llama-server's `cache_prompt`, default true);
+    /// false prefills the whole prompt on a fresh session and keeps nothing.
+    pub cache_prompt: bool,
 }
 
 /// One finished reply.
@@ -166,7 +169,11 @@ impl<'l> Engine<'l> {
         let start = Instant::now();
         let model = self.loaded.model();
         deltafin_inference::generate::check_context(model, 0, prompt_ids.len(), params.max_tokens)?;
-        let (mut session, reused, reuse) = self.cache.take(model, prompt_ids);
+        let (mut session, reused, reuse) = if params.cache_prompt {
+            self.cache.take(model, prompt_ids)
+        } else {
+            (model.new_session(), 0, Reuse::None)
+        };
         let mut config = GenerateConfig::for_model(model, params.max_tokens);
         config.sampler = params.sampler.clone();
         config.stop_tokens = if params.ignore_eos {
@@ -263,7 +270,9 @@ impl<'l> Engine<'l> {
         let mut history = prompt_ids.to_vec();
         history.extend_from_slice(&out.tokens);
         history.truncate(session.len());
-        self.cache.put(model, history, session);
+        if params.cache_prompt {
+            self.cache.put(model, history, session);
+        }
         let (reasoning, content) = match &tags {
             Some(t) => {
                 let s = deltafin_chat::reasoning::split(&text, t, inside);

@@ -179,6 +179,7 @@ pub(crate) fn parse(
         stop,
         ignore_eos: flag("ignore_eos", false)?,
         skip_special_tokens: flag("skip_special_tokens", true)?,
+        cache_prompt: flag("cache_prompt", true)?,
     };
     let (inputs, prompt) = match endpoint {
         Endpoint::Chat => (chat_inputs(obj, &ordered)?, String::new()),

@@ -80,10 +80,16 @@ pub fn run(a: &ServeArgs) -> anyhow::Result<()> {
     let model_ctx = loaded.model().config().max_position_embeddings();
     let context = a.context.unwrap_or(model_ctx.min(8192)).min(model_ctx);
     loaded.apply_budget(&a.source, context.saturating_mul(2))?;
+    // The model's folder name (a layout's folder when given its manifest).
     let name = a.served_model_name.clone().unwrap_or_else(|| {
-        a.source
-            .model
-            .file_name()
+        let p = &a.source.model;
+        let folder = if p.is_file() {
+            p.parent()
+        } else {
+            Some(p.as_path())
+        };
+        folder
+            .and_then(|f| f.file_name())
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_else(|| "model".into())
     });
