@@ -205,7 +205,7 @@ impl<'l> Engine<'l> {
                 Some(s) => s.push(piece),
                 None => vec![Delta::Content(piece.to_string())],
             };
-            deltas.iter().all(|d| on_delta(d))
+            deltas.iter().all(&mut *on_delta)
         };
         let out = generate(
             model,
