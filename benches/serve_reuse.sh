@@ -10,17 +10,19 @@
 # benches/results/serve_reuse.json.
 #
 #   sudo benches/serve_reuse.sh [--rounds 3] [--drives 4] [--ram-budget 700M] [--bps 157286400]
+#                               [--words 250]   (turn 1's document: 250 words ~ 1400 tokens)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 ORIG_ARGS="$*"
-ROUNDS=3; N=4; BUDGET=700M; BPS=$((150 * 1024 * 1024))
+ROUNDS=3; N=4; BUDGET=700M; BPS=$((150 * 1024 * 1024)); WORDS=250
 while [ $# -gt 0 ]; do
     case $1 in
         --rounds) ROUNDS=$2; shift 2 ;;
         --drives) N=$2; shift 2 ;;
         --ram-budget) BUDGET=$2; shift 2 ;;
         --bps) BPS=$2; shift 2 ;;
+        --words) WORDS=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -58,18 +60,23 @@ start_server() {
     done
     echo "the server did not start" >&2; exit 1
 }
-stop_server() { kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; }
+# The server runs under in_throttled's shell: stop it by its command line.
+stop_server() {
+    pkill -f -- "--snapshot-dir $snapdir" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+}
+trap 'stop_server; drives_teardown' EXIT
 results=$(mktemp)
 : > "$results"
 for ((r = 0; r < ROUNDS; r++)); do
     start_server
-    python3 "$here/serve_reuse_client.py" --base "$addr" --round "$r" --phase 1 --state "$snapdir/round$r.json" >> "$results"
+    python3 "$here/serve_reuse_client.py" --base "$addr" --round "$r" --phase 1 --words "$WORDS" --state "$snapdir/round$r.json" >> "$results"
     stop_server
     start_server
     python3 "$here/serve_reuse_client.py" --base "$addr" --round "$r" --phase 2 --state "$snapdir/round$r.json" >> "$results"
     stop_server
 done
-python3 - "$results" "$repo/benches/results/serve_reuse.json" "$N" "$BPS" "$BUDGET" <<'PY'
+WORDS=$WORDS python3 - "$results" "$repo/benches/results/serve_reuse${OUT_SUFFIX:-}.json" "$N" "$BPS" "$BUDGET" <<'PY'
 import json, sys, statistics, datetime, os, platform
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 def med(key, phase):
@@ -99,6 +106,7 @@ out = {
     "ram_budget": sys.argv[5], "model": "medium deepseek_v3 synth, vocab 606, test tokenizer, Kimi K2 template",
     "summary_medians": summary, "rounds": rows,
 }
+out["words"] = int(os.environ.get("WORDS", "0"))
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 print(json.dumps(summary, indent=1))
 PY

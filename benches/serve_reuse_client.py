@@ -50,11 +50,12 @@ def main():
     ap.add_argument("--round", type=int, required=True)
     ap.add_argument("--phase", type=int, choices=[1, 2], required=True)
     ap.add_argument("--state", required=True)
+    ap.add_argument("--words", type=int, default=250)
     a = ap.parse_args()
     rng = random.Random(a.round)
     out = {"round": a.round, "phase": a.phase}
     if a.phase == 1:
-        doc = " ".join(rng.choice(WORDS) for _ in range(250))
+        doc = " ".join(rng.choice(WORDS) for _ in range(a.words))
         msgs = [{"role": "system", "content": f"Session {a.round}. Answer from the notes."},
                 {"role": "user", "content": f"Notes:\n{doc}\n\nWhich word comes up most?"}]
         t1, reply1, u1 = chat(a.base, msgs)
