@@ -87,6 +87,9 @@ impl<'a> ExpertView<'a> {
 /// Callback receiving one ready expert: `(expert_id, view)`.
 pub type ExpertCallback<'c> = dyn FnMut(usize, &ExpertView<'_>) -> Result<()> + 'c;
 
+/// Callback receiving a group of ready experts: `(expert_id, view)` each.
+pub type ExpertGroupCallback<'c> = dyn FnMut(&[(usize, ExpertView<'_>)]) -> Result<()> + 'c;
+
 /// Everything the forward pass needs from storage. Object safe; implementations must be
 /// shareable across threads.
 pub trait WeightSource: Send + Sync {
@@ -107,6 +110,21 @@ pub trait WeightSource: Send + Sync {
         experts: &[usize],
         on_ready: &mut ExpertCallback<'_>,
     ) -> Result<()>;
+
+    /// [`WeightSource::with_experts`] in groups: each call of `on_group` hands over experts
+    /// whose bytes are all available now (for a source in memory: all of them at once), so
+    /// the forward pass can compute a group in one parallel pass. Every requested expert is
+    /// handed over exactly once. The default hands them over one at a time, as they come.
+    fn with_expert_groups(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_group: &mut ExpertGroupCallback<'_>,
+    ) -> Result<()> {
+        self.with_experts(layer, experts, &mut |e, view| {
+            on_group(std::slice::from_ref(&(e, view.clone())))
+        })
+    }
 
     /// A hint that `experts` of decoder layer `layer` will probably be requested soon (e.g.
     /// predicted by applying that layer's router to the current hidden state). Sources that
@@ -159,6 +177,36 @@ pub struct DirSource {
 }
 
 impl DirSource {
+    /// The view of expert `e` of `layer` over the checkpoint's bytes.
+    fn expert_view(&self, layer: usize, e: usize) -> Result<ExpertView<'_>> {
+        let parts = self
+            .experts
+            .get(&(layer, e))
+            .ok_or_else(|| InferenceError::MissingExpert {
+                layer,
+                expert: e,
+                reason: format!(
+                    "no tensors named {} (or fused experts) in {}",
+                    self.naming.expert_tensor(layer as u32, e as u32, "*"),
+                    self.ckpt.dir.display()
+                ),
+            })?;
+        let view = ExpertView::new(
+            parts
+                .iter()
+                .map(|p| ExpertPartRef {
+                    name: &p.part,
+                    tensor: TensorRef {
+                        dtype: p.dtype.clone(),
+                        shape: &p.shape,
+                        bytes: self.ckpt.slice(p.file, p.offset, p.len),
+                    },
+                })
+                .collect(),
+        );
+        Ok(view)
+    }
+
     /// Open a model directory: parses every shard header and indexes the routed experts.
     pub fn open(dir: &Path) -> Result<DirSource> {
         let ckpt = Checkpoint::open(dir)?;
@@ -221,33 +269,22 @@ impl WeightSource for DirSource {
         on_ready: &mut ExpertCallback<'_>,
     ) -> Result<()> {
         for &e in experts {
-            let parts =
-                self.experts
-                    .get(&(layer, e))
-                    .ok_or_else(|| InferenceError::MissingExpert {
-                        layer,
-                        expert: e,
-                        reason: format!(
-                            "no tensors named {} (or fused experts) in {}",
-                            self.naming.expert_tensor(layer as u32, e as u32, "*"),
-                            self.ckpt.dir.display()
-                        ),
-                    })?;
-            let view = ExpertView::new(
-                parts
-                    .iter()
-                    .map(|p| ExpertPartRef {
-                        name: &p.part,
-                        tensor: TensorRef {
-                            dtype: p.dtype.clone(),
-                            shape: &p.shape,
-                            bytes: self.ckpt.slice(p.file, p.offset, p.len),
-                        },
-                    })
-                    .collect(),
-            );
-            on_ready(e, &view)?;
+            on_ready(e, &self.expert_view(layer, e)?)?;
         }
         Ok(())
+    }
+
+    fn with_expert_groups(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_group: &mut ExpertGroupCallback<'_>,
+    ) -> Result<()> {
+        // All in memory: one group.
+        let views = experts
+            .iter()
+            .map(|&e| Ok((e, self.expert_view(layer, e)?)))
+            .collect::<Result<Vec<_>>>()?;
+        on_group(&views)
     }
 }

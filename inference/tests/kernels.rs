@@ -494,3 +494,48 @@ fn a_matrix_runs_the_kernels_it_carries() {
         assert_ne!(outs[0].1, outs[1].1, "{:?} vs {:?}", outs[0].0, outs[1].0);
     }
 }
+
+/// Many jobs in one pass (a layer's experts: each its own matrix, inputs and output; some
+/// sharing inputs, some with several inputs, formats mixed) give exactly what each matrix's
+/// own `matmul` gives, on every instruction set the matrices are loaded with.
+#[test]
+fn matmul_jobs_equal_separate_calls() {
+    for isa in std::iter::once(Isa::Scalar).chain(simd_isas()) {
+        let k = kernels::KernelConfig::with_isa(isa);
+        let mats: Vec<Mat> = ["bf16", "int4", "q8", "mxfp4", "bf16", "fp8", "f32"]
+            .iter()
+            .enumerate()
+            .map(|(i, name)| make(name, 64 + 32 * i, 256, 20 + i as u64))
+            .collect();
+        let views: Vec<WeightMatrix<'_>> = mats.iter().map(|m| m.view().with_kernels(k)).collect();
+        let shared = inputs(1, 256, 30);
+        let three = inputs(3, 256, 31);
+        // Jobs 0, 1 and 4 share one input (one token's hidden state), 2 and 5 take three.
+        let xs: Vec<(&[f32], usize)> = vec![
+            (&shared, 1),
+            (&shared, 1),
+            (&three, 3),
+            (&shared, 1),
+            (&shared, 1),
+            (&three, 3),
+            (&shared, 1),
+        ];
+        let mut outs: Vec<Vec<f32>> = views
+            .iter()
+            .zip(&xs)
+            .map(|(v, &(_, n))| vec![0f32; n * v.rows()])
+            .collect();
+        let mut jobs: Vec<kernels::MatmulJob<'_, '_>> = views
+            .iter()
+            .zip(&xs)
+            .zip(outs.iter_mut())
+            .map(|((m, &(x, n)), out)| kernels::MatmulJob { m, x, n, out })
+            .collect();
+        kernels::matmul_jobs(&mut jobs);
+        for (i, ((v, &(x, n)), out)) in views.iter().zip(&xs).zip(&outs).enumerate() {
+            let mut alone = vec![0f32; n * v.rows()];
+            kernels::matmul(v, x, n, &mut alone);
+            assert_eq!(out, &alone, "{isa:?} job {i}");
+        }
+    }
+}

@@ -20,8 +20,8 @@ use crate::error::{InferenceError, Result};
 use crate::ffn::dense::DenseMlp;
 use crate::ffn::feed_forward::{FeedForward, FfnContext};
 use crate::ffn::router::Router;
-use crate::kernels::dispatch::matmul_many;
 use crate::kernels::isa::KernelConfig;
+use crate::kernels::jobs::{matmul_jobs, MatmulJob};
 use crate::linear::matrix::WeightMatrix;
 use crate::linear::owned::Linear;
 use crate::linear::resolve::{resolve_matrix, MatrixParts, QuantHints};
@@ -98,30 +98,58 @@ impl FeedForward for MoeFfn {
         // does not depend on the order in which experts arrive.
         let mut slots = vec![0f32; n * top_k * hd];
         let act: &dyn Activation = &*self.act;
+        // Every position in order: the experts can read `x` itself (and share its prepared
+        // form) instead of a gathered copy.
         ctx.source
-            .with_experts(layer, &wanted, &mut |e: usize, view: &ExpertView<'_>| {
-                let Ok(k) = wanted.binary_search(&e) else {
-                    return Err(InferenceError::MissingExpert {
-                        layer,
-                        expert: e,
-                        reason: "the weight source delivered an expert that was not requested"
-                            .into(),
-                    });
-                };
-                delivered[k] = true;
-                let assign = &by_expert[&e];
-                let mut xs = Vec::with_capacity(assign.len() * hd);
-                for &(t, _) in assign {
-                    xs.extend_from_slice(&x[t * hd..(t + 1) * hd]);
+            .with_expert_groups(layer, &wanted, &mut |group: &[(
+                usize,
+                ExpertView<'_>,
+            )]| {
+                let mut gathered: Vec<Vec<f32>> = Vec::with_capacity(group.len());
+                let mut whole: Vec<bool> = Vec::with_capacity(group.len());
+                for &(e, _) in group {
+                    let Ok(k) = wanted.binary_search(&e) else {
+                        return Err(InferenceError::MissingExpert {
+                            layer,
+                            expert: e,
+                            reason: "the weight source delivered an expert that was not requested"
+                                .into(),
+                        });
+                    };
+                    delivered[k] = true;
+                    let assign = &by_expert[&e];
+                    let in_order =
+                        assign.len() == n && assign.iter().enumerate().all(|(i, a)| a.0 == i);
+                    whole.push(in_order);
+                    let mut xs = Vec::new();
+                    if !in_order {
+                        xs.reserve(assign.len() * hd);
+                        for &(t, _) in assign {
+                            xs.extend_from_slice(&x[t * hd..(t + 1) * hd]);
+                        }
+                    }
+                    gathered.push(xs);
                 }
-                let ys = self
-                    .experts
-                    .forward(view, layer, e, act, &xs, assign.len())?;
-                for (i, &(t, slot)) in assign.iter().enumerate() {
-                    let w = routes[t].weights[slot];
-                    let dst = &mut slots[(t * top_k + slot) * hd..(t * top_k + slot + 1) * hd];
-                    for (d, &y) in dst.iter_mut().zip(&ys[i * hd..(i + 1) * hd]) {
-                        *d = w * y;
+                let inputs: Vec<(&[f32], usize)> = group
+                    .iter()
+                    .zip(gathered.iter().zip(&whole))
+                    .map(|((e, _), (xs, &w))| {
+                        let m = by_expert[e].len();
+                        if w {
+                            (x, m)
+                        } else {
+                            (xs.as_slice(), m)
+                        }
+                    })
+                    .collect();
+                let ys = self.experts.forward_group(group, layer, act, &inputs)?;
+                for ((e, _), ys) in group.iter().zip(&ys) {
+                    for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
+                        let w = routes[t].weights[slot];
+                        let dst = &mut slots[(t * top_k + slot) * hd..(t * top_k + slot + 1) * hd];
+                        for (d, &y) in dst.iter_mut().zip(&ys[i * hd..(i + 1) * hd]) {
+                            *d = w * y;
+                        }
                     }
                 }
                 Ok(())
@@ -396,44 +424,85 @@ impl RoutedExperts {
         })
     }
 
-    /// `x [m, hidden] -> [m, hidden]` through expert `expert` of `layer`.
-    pub fn forward(
+    /// A group of experts of `layer`, each on its own inputs (`inputs[i]` is `[m_i, hidden]`
+    /// for `group[i]`): `-> [m_i, hidden]` each. Every expert's gate and up projections run
+    /// in one parallel pass, then every down projection in another; each result is what the
+    /// expert alone gives, bit for bit.
+    pub fn forward_group(
         &self,
-        view: &ExpertView<'_>,
+        group: &[(usize, ExpertView<'_>)],
         layer: usize,
-        expert: usize,
         act: &dyn Activation,
-        x: &[f32],
-        m: usize,
-    ) -> Result<Vec<f32>> {
+        inputs: &[(&[f32], usize)],
+    ) -> Result<Vec<Vec<f32>>> {
         let (hd, it) = (self.hidden, self.intermediate);
-        let t = self.template(view, layer, expert)?;
-        let mut h = vec![0f32; m * it];
-        if let [gu] = &t.gate_up[..] {
-            // transformers-5 fused layout: [2I, H], gate rows first.
-            let gu = self.matrix(view, gu, layer, expert)?;
-            let mut y = vec![0f32; m * 2 * it];
-            gu.matmul(x, m, &mut y);
-            for (hrow, yrow) in h.chunks_mut(it).zip(y.chunks(2 * it)) {
-                let (g, u) = yrow.split_at(it);
-                for ((o, &g), &u) in hrow.iter_mut().zip(g).zip(u) {
-                    *o = act.gated(g, u);
+        let mut gate_up: Vec<Vec<WeightMatrix<'_>>> = Vec::with_capacity(group.len());
+        let mut downs: Vec<WeightMatrix<'_>> = Vec::with_capacity(group.len());
+        for (e, view) in group {
+            let t = self.template(view, layer, *e)?;
+            gate_up.push(
+                t.gate_up
+                    .iter()
+                    .map(|spec| self.matrix(view, spec, layer, *e))
+                    .collect::<Result<Vec<_>>>()?,
+            );
+            downs.push(self.matrix(view, &t.down, layer, *e)?);
+        }
+        // Gate and up (or the fused gate_up, gate rows first) of every expert.
+        let mut gu_out: Vec<Vec<Vec<f32>>> = gate_up
+            .iter()
+            .zip(inputs)
+            .map(|(ms, &(_, m))| ms.iter().map(|w| vec![0f32; m * w.rows()]).collect())
+            .collect();
+        {
+            let mut jobs = Vec::new();
+            for ((ms, &(x, m)), outs) in gate_up.iter().zip(inputs).zip(gu_out.iter_mut()) {
+                for (w, out) in ms.iter().zip(outs.iter_mut()) {
+                    jobs.push(MatmulJob { m: w, x, n: m, out });
                 }
             }
-        } else {
-            let gate = self.matrix(view, &t.gate_up[0], layer, expert)?;
-            let up = self.matrix(view, &t.gate_up[1], layer, expert)?;
-            let mut g = vec![0f32; m * it];
-            let mut u = vec![0f32; m * it];
-            // One pass over the same (once-quantized) inputs for both.
-            matmul_many(&[&gate, &up], x, m, &mut [&mut g, &mut u]);
-            for ((o, &g), &u) in h.iter_mut().zip(&g).zip(&u) {
-                *o = act.gated(g, u);
-            }
+            matmul_jobs(&mut jobs);
         }
-        let down = self.matrix(view, &t.down, layer, expert)?;
-        let mut out = vec![0f32; m * hd];
-        down.matmul(&h, m, &mut out);
-        Ok(out)
+        let hs: Vec<Vec<f32>> = gu_out
+            .iter()
+            .zip(inputs)
+            .map(|(outs, &(_, m))| {
+                let mut h = vec![0f32; m * it];
+                match &outs[..] {
+                    [y] => {
+                        for (hrow, yrow) in h.chunks_mut(it).zip(y.chunks(2 * it)) {
+                            let (g, u) = yrow.split_at(it);
+                            for ((o, &g), &u) in hrow.iter_mut().zip(g).zip(u) {
+                                *o = act.gated(g, u);
+                            }
+                        }
+                    }
+                    [g, u] => {
+                        for ((o, &g), &u) in h.iter_mut().zip(g).zip(u) {
+                            *o = act.gated(g, u);
+                        }
+                    }
+                    _ => {}
+                }
+                h
+            })
+            .collect();
+        let mut ys: Vec<Vec<f32>> = inputs.iter().map(|&(_, m)| vec![0f32; m * hd]).collect();
+        {
+            let mut jobs: Vec<MatmulJob<'_, '_>> = downs
+                .iter()
+                .zip(&hs)
+                .zip(ys.iter_mut())
+                .zip(inputs)
+                .map(|(((w, h), out), &(_, m))| MatmulJob {
+                    m: w,
+                    x: h,
+                    n: m,
+                    out,
+                })
+                .collect();
+            matmul_jobs(&mut jobs);
+        }
+        Ok(ys)
     }
 }

@@ -148,14 +148,9 @@ pub fn matmul_many_with(
         return;
     }
     let isa = if isa.available() { isa } else { Isa::Scalar };
-    let integer_ok = kind.integer() && kind.simd_shape(cols);
-    let xin = match act {
-        Act::I8 if integer_ok => quantize_inputs(kind, x, cols),
-        Act::I16 if integer_ok => Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)),
-        _ => Inputs::F32(x),
-    };
-    let rb = kind.row_len(cols);
-    let block = (TASK_BYTES / rb.max(1)).clamp(1, 1024);
+    let mut slot = Vec::new();
+    let xin = prepare_inputs(isa, kind, cols, act, x, &mut slot);
+    let block = task_rows(kind, cols);
     let task = |m: &WeightMatrix<'_>, bi: usize, o: &mut [f32]| {
         rows_task(isa, m, kind, &xin, n, block, bi, o)
     };
@@ -197,10 +192,41 @@ pub fn matmul_many_with(
     }
 }
 
+/// `x` (`[n, cols]`) as the kernels for `kind` on `isa` take it: f32 as given, quantized for
+/// the integer formats' 8- or 16-bit activation paths, or (AVX-512 BF16) reordered into
+/// `slot`, each 32-block's even inputs then its odd ones.
+pub(crate) fn prepare_inputs<'x>(
+    isa: Isa,
+    kind: WeightFormat,
+    cols: usize,
+    act: Act,
+    x: &'x [f32],
+    slot: &'x mut Vec<f32>,
+) -> Inputs<'x> {
+    let integer_ok = kind.integer() && kind.simd_shape(cols);
+    match act {
+        Act::I8 if integer_ok => return quantize_inputs(kind, x, cols),
+        Act::I16 if integer_ok => return Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)),
+        _ => {}
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {
+        *slot = x86_avx512::bf16_input_order(x);
+        return Inputs::F32(slot);
+    }
+    let _ = slot;
+    Inputs::F32(x)
+}
+
+/// Rows per task for rows of `kind` `cols` wide.
+pub(crate) fn task_rows(kind: WeightFormat, cols: usize) -> usize {
+    (TASK_BYTES / kind.row_len(cols).max(1)).clamp(1, 1024)
+}
+
 /// Rows `bi * block ..` of `m` (as many as `o` holds, `n` outputs each) against prepared
 /// inputs: one task of [`matmul_many_with`].
 #[allow(clippy::too_many_arguments)]
-fn rows_task(
+pub(crate) fn rows_task(
     isa: Isa,
     m: &WeightMatrix<'_>,
     kind: WeightFormat,

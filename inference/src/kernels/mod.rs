@@ -24,7 +24,7 @@
 //!
 //! Files: [`isa`] (instruction sets, [`KernelConfig`]), [`shape`] (the 32-column block),
 //! [`inputs`] / [`quantize_inputs`] (inputs prepared once per call), [`scales`] (scales as f32),
-//! [`dispatch`] (tasks and per-row dispatch), and the per-ISA kernels [`scalar`], `x86`,
+//! [`dispatch`] (tasks and per-row dispatch), [`jobs`] (many products in one pass), and the per-ISA kernels [`scalar`], `x86`,
 //! `x86_avx512`, `aarch64`.
 //!
 //! [`Isa::Avx512`] (AVX-512 F/BW/VL/VNNI) has its own kernels for the f32 path of the 16-bit and
@@ -36,6 +36,7 @@ mod aarch64;
 pub mod dispatch;
 pub mod inputs;
 pub mod isa;
+pub mod jobs;
 pub mod quantize_inputs;
 pub mod scalar;
 pub mod scales;
@@ -48,5 +49,6 @@ mod x86_avx512;
 pub use dispatch::{matmul, matmul_many_with, matmul_with};
 pub use inputs::{i16_slot, I16Inputs, Inputs};
 pub use isa::{Act, Isa, KernelConfig};
+pub use jobs::{matmul_jobs, MatmulJob};
 pub use quantize_inputs::{quantize_inputs, quantize_inputs_i16};
 pub use shape::{KernelShape, BLOCK};

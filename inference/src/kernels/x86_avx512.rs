@@ -1,7 +1,8 @@
 //! AVX-512 (F/BW/VL/VNNI) kernels, selected at run time by [`super::Isa::detect`].
 //!
 //! - f32 activations for F32, F16, BF16 and FP8: 32 weights per step decoded into two zmm
-//!   registers (BF16 by a 16-bit shift, F16 and FP8 through `vcvtph2ps`; e4m3 is rebuilt as an
+//!   registers (BF16 from one load by a shift and a mask, against inputs reordered evens then
+//!   odds per 32-block by [`bf16_input_order`]; F16 and FP8 through `vcvtph2ps`; e4m3 is rebuilt as an
 //!   f16 bit pattern worth 2^-8 of its value, exact including subnormals, as in the AVX2
 //!   kernels), multiplied in f32. Scaled formats accumulate each scale group separately and
 //!   scale the group's sum once.
@@ -176,15 +177,26 @@ f32_tile!(f32_f32, rows_f32, false, |p, c| {
 });
 
 f32_tile!(f32_bf16, rows_bf16, false, |p, c| {
-    let q = p.add(2 * c);
-    let cvt = |o: usize| {
-        _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(q.add(o) as *const __m256i)),
-            16,
-        ))
-    };
-    [cvt(0), cvt(32)]
+    // 32 weights in one load, no shuffle: each 32-bit lane holds an even weight in its low
+    // half (shifted up, it is that weight as f32) and an odd one in its high half (masked, the
+    // same). The inputs come in the matching order ([`bf16_input_order`]).
+    let v = _mm512_loadu_si512(p.add(2 * c) as *const __m512i);
+    [
+        _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+        _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-0x1_0000))),
+    ]
 });
+
+/// The input order the BF16 kernels take: within each 32-block of each input, the 16 even
+/// elements then the 16 odd ones (`x.len()` a multiple of 32).
+pub fn bf16_input_order(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for b in x.chunks_exact(BLOCK) {
+        out.extend(b.iter().step_by(2));
+        out.extend(b.iter().skip(1).step_by(2));
+    }
+    out
+}
 
 f32_tile!(f32_f16, rows_f16, false, |p, c| {
     let q = p.add(2 * c);

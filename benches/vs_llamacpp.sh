@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Issue 14: deltafin and llama.cpp side by side on the same synthetic model, in RAM, 2 threads.
+#
+# llama.cpp: the CPU build of the tree the PyPI sdist of llama-cpp-python $LLAMA_CPP_PYTHON
+# vendors (0.3.36 -> llama.cpp 0c1e570), built once into $LLAMA_DIR (llama-bench,
+# llama-quantize). The model: a DeepSeek-V3-shaped synth (hidden 1024, 16 layers, 128 experts
+# top-8, expert width 512: 3.1B parameters), written by `deltafin synth` in each format, and as
+# GGUF by benches/hf_to_gguf.py (bf16, tensors identical to llama.cpp's own converter) then
+# llama-quantize (Q8_0, Q4_K_M; and experts-only variants with the rest BF16, as deltafin keeps
+# it). Decode: tokens/s generating --decode tokens after a 1-token prompt (llama-bench tg);
+# prefill: a --prompt-token prompt (llama-bench pp), time to first token for deltafin.
+# Medians of --runs; writes benches/results/vs_llamacpp.json.
+#
+#   benches/vs_llamacpp.sh [--runs 3] [--decode 64] [--prompt 32] [--formats bf16,q8,int4]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+ORIG_ARGS="$*"
+RUNS=3; DECODE=64; PROMPT=32; FORMATS=bf16,q8,int4
+while [ $# -gt 0 ]; do
+    case $1 in
+        --runs) RUNS=$2; shift 2 ;;
+        --decode) DECODE=$2; shift 2 ;;
+        --prompt) PROMPT=$2; shift 2 ;;
+        --formats) FORMATS=$2; shift 2 ;;
+        *) echo "unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
+LLAMA_DIR=${LLAMA_DIR:-/var/tmp/deltafin-llamacpp/$LLAMA_CPP_PYTHON}
+work=${BENCH_WORK:-/var/tmp/deltafin-bench-model}/vs-llamacpp
+mkdir -p "$work" "$LLAMA_DIR"
+
+# --- llama.cpp, built once -------------------------------------------------------------
+src="$LLAMA_DIR/src/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp"
+if [ ! -x "$LLAMA_DIR/build/bin/llama-bench" ]; then
+    python3 -m pip install -q scikit-build-core cmake ninja
+    if [ ! -d "$src" ]; then
+        # --no-build-isolation: otherwise pip builds cmake and ninja from source to read metadata.
+        python3 -m pip download -q "llama-cpp-python==$LLAMA_CPP_PYTHON" --no-deps \
+            --no-binary :all: --no-build-isolation -d "$LLAMA_DIR/sdist"
+        mkdir -p "$LLAMA_DIR/src"
+        tar xzf "$LLAMA_DIR/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$LLAMA_DIR/src"
+    fi
+    cmake -S "$src" -B "$LLAMA_DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_CCACHE=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF >&2
+    cmake --build "$LLAMA_DIR/build" -j"$(nproc)" --target llama-bench llama-quantize >&2
+fi
+python3 -c 'import gguf' 2>/dev/null || python3 -m pip install -q "$src/gguf-py"
+lbin="$LLAMA_DIR/build/bin"
+
+# --- deltafin ----------------------------------------------------------------------------
+bin=${DELTAFIN_BIN:-}
+if [ -z "$bin" ]; then
+    cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
+    bin="$repo/target/release/deltafin"
+fi
+
+# --- the model in every format -------------------------------------------------------------
+shape=(--preset medium --set num_hidden_layers=16 --set n_routed_experts=128
+       --set num_experts_per_tok=8 --set moe_intermediate_size=512 --seed 7)
+declare -A synth_fmt=([bf16]=bf16 [q8]=q8 [int4]=int4)
+declare -A gguf_type=([bf16]="" [q8]=Q8_0 [int4]=Q4_K_M)
+declare -A expert_type=([q8]=q8_0 [int4]=q4_K)
+IFS=, read -r -a formats <<< "$FORMATS"
+for f in "${formats[@]}"; do
+    d="$work/ds-$f"
+    [ -f "$d/config.json" ] || "$bin" synth --out "$d" "${shape[@]}" --format "${synth_fmt[$f]}" --force -q
+done
+g16="$work/ds-bf16.gguf"
+[ -f "$g16" ] || { [ -f "$work/ds-bf16/config.json" ] || "$bin" synth --out "$work/ds-bf16" "${shape[@]}" --force -q;
+                   python3 "$here/hf_to_gguf.py" "$work/ds-bf16" "$g16"; }
+for f in "${formats[@]}"; do
+    t=${gguf_type[$f]}
+    [ -z "$t" ] && continue
+    [ -f "$work/ds-$f.gguf" ] || "$lbin/llama-quantize" "$g16" "$work/ds-$f.gguf" "$t" 2 >&2
+    # Experts only, the rest BF16: what deltafin's synth --format does.
+    [ -f "$work/ds-$f-experts.gguf" ] || "$lbin/llama-quantize" \
+        --tensor-type "ffn_(gate|up|down)_exps=${expert_type[$f]}" --tensor-type ".=bf16" \
+        --token-embedding-type bf16 --output-tensor-type bf16 \
+        "$g16" "$work/ds-$f-experts.gguf" "$t" 2 >&2
+done
+
+# --- runs -----------------------------------------------------------------------------------
+raw=$(mktemp)
+: > "$raw"
+prompt_ids=$(python3 -c "import random; r=random.Random(1); print(','.join(str(r.randrange(2, 8000)) for _ in range($PROMPT)))")
+# Format by format, so that each one's files are in the page cache while it is measured (all
+# of them together do not fit this machine's RAM): a warm-up read first, then the runs.
+for f in "${formats[@]}"; do
+    ggufs=("$work/ds-$f.gguf")
+    [ "$f" != bf16 ] && ggufs+=("$work/ds-$f-experts.gguf")
+    [ "$f" = bf16 ] && ggufs=("$g16")
+    "$bin" generate --model "$work/ds-$f" --prompt-ids 5 -n 4 --ignore-eos -q > /dev/null 2>&1
+    for ((r = 0; r < RUNS; r++)); do
+        for g in "${ggufs[@]}"; do
+            # llama-bench warms up itself (one untimed run) before each test.
+            "$lbin/llama-bench" -m "$g" -t 2 -p "$PROMPT" -n "$DECODE" -r 1 -o jsonl 2>/dev/null |
+                python3 -c "
+import json, sys
+for l in sys.stdin:
+    x = json.loads(l)
+    kind = 'prefill' if x['n_prompt'] > 0 else 'decode'
+    print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'file': '$(basename "$g")', 'run': $r, 'kind': kind,
+                      'tokens_per_s': x['avg_ts'], 'cpu_info': x.get('cpu_info'),
+                      'model_type': x.get('model_type'), 'n_threads': x.get('n_threads')}))" >> "$raw"
+        done
+        # deltafin: one decode run (1-token prompt), one prefill run (time to first token).
+        "$bin" generate --model "$work/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos --json -q 2>/dev/null |
+            tail -1 | python3 -c "
+import json, sys
+x = json.loads(sys.stdin.read())
+print(json.dumps({'engine': 'deltafin', 'format': '$f', 'run': $r, 'kind': 'decode',
+                  'tokens_per_s': 1.0 / x['decode_s_per_token'], 'kernels': x.get('kernels')}))" >> "$raw"
+        "$bin" generate --model "$work/ds-$f" --prompt-ids "$prompt_ids" -n 1 --ignore-eos --json -q 2>/dev/null |
+            tail -1 | python3 -c "
+import json, sys
+x = json.loads(sys.stdin.read())
+print(json.dumps({'engine': 'deltafin', 'format': '$f', 'run': $r, 'kind': 'prefill',
+                  'tokens_per_s': $PROMPT / x['ttft_s'], 'ttft_s': x['ttft_s'], 'kernels': x.get('kernels')}))" >> "$raw"
+    done
+done
+BENCH_CMD="benches/vs_llamacpp.sh $ORIG_ARGS" python3 - "$raw" "$repo/benches/results/vs_llamacpp.json" \
+    "$LLAMA_CPP_PYTHON" "$PROMPT" "$DECODE" <<'PY'
+import json, os, sys, statistics, datetime, platform, collections
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+groups = collections.defaultdict(list)
+for x in rows:
+    groups[(x["format"], x["kind"], x["engine"], x.get("file", ""))].append(x["tokens_per_s"])
+table = []
+for fmt in ["bf16", "q8", "int4"]:
+    for kind in ["decode", "prefill"]:
+        ours = groups.get((fmt, kind, "deltafin", ""))
+        if not ours:
+            continue
+        ours_m = statistics.median(ours)
+        for (f, k, e, file), v in sorted(groups.items()):
+            if (f, k, e) != (fmt, kind, "llama.cpp"):
+                continue
+            theirs = statistics.median(v)
+            table.append({"format": fmt, "kind": kind, "llama_cpp_file": file,
+                          "deltafin_tokens_per_s": ours_m, "llama_cpp_tokens_per_s": theirs,
+                          "ratio": ours_m / theirs})
+cpu = next((x.get("cpu_info") for x in rows if x.get("cpu_info")), None)
+flags = open("/proc/cpuinfo").read()
+isas = [f for f in ["avx512_vnni", "avx512_bf16", "avx512f", "avx_vnni", "avx2", "fma", "amx_tile"]
+        if f" {f}" in flags]
+out = {"benchmark": "deltafin vs llama.cpp in RAM, 2 threads, same synthetic model",
+       "command": os.environ.get("BENCH_CMD"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+       "machine": {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "cpu_flags": isas},
+       "llama_cpp": f"llama-cpp-python {sys.argv[3]} sdist (vendored llama.cpp 0c1e570), GGML_NATIVE, OpenMP",
+       "model": "deepseek_v3 synth medium: hidden 1024, 16 layers, 128 experts top-8, expert width 512",
+       "prompt_tokens": int(sys.argv[4]), "decode_tokens": int(sys.argv[5]),
+       "table": table, "runs": rows}
+json.dump(out, open(sys.argv[2], "w"), indent=1)
+for t in table:
+    print(f"{t['format']:5} {t['kind']:7} {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
+          f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  ratio {t['ratio']:.2f}")
+PY
+rm -f "$raw"
