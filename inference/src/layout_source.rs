@@ -22,7 +22,9 @@ use deltafin_storage::StorageError;
 
 use crate::error::{InferenceError, Result};
 use crate::linear::bytes::WeightBytes;
-use crate::weights::{ExpertCallback, ExpertPartRef, ExpertView, TensorRef, WeightSource};
+use crate::weights::{
+    ExpertCallback, ExpertGroupCallback, ExpertPartRef, ExpertView, TensorRef, WeightSource,
+};
 
 /// How to open a layout.
 #[derive(Clone, Debug)]
@@ -261,6 +263,41 @@ impl WeightSource for LayoutSource {
             let landed = landed.map_err(|e| expert_error(layer, first, e))?;
             let view = expert_view(landed.tensors, landed.bytes());
             on_ready(landed.expert as usize, &view)?;
+        }
+        Ok(())
+    }
+
+    fn with_expert_groups(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_group: &mut ExpertGroupCallback<'_>,
+    ) -> Result<()> {
+        let first = experts.first().copied().unwrap_or(0);
+        let Some((l, ids)) = store_ids(layer, experts) else {
+            return Err(InferenceError::MissingExpert {
+                layer,
+                expert: first,
+                reason: "layer or expert index out of range".into(),
+            });
+        };
+        let mut batch = self
+            .store
+            .fetch(l, &ids)
+            .map_err(|e| expert_error(layer, first, e))?;
+        // Wait for one expert, then take every other one that is already there (cached, or
+        // landed meanwhile): the group is computed in one parallel pass while the drives
+        // go on reading the rest.
+        while let Some(landed) = batch.next() {
+            let mut group = vec![landed.map_err(|e| expert_error(layer, first, e))?];
+            while let Some(more) = batch.next_ready() {
+                group.push(more.map_err(|e| expert_error(layer, first, e))?);
+            }
+            let views: Vec<(usize, ExpertView<'_>)> = group
+                .iter()
+                .map(|l| (l.expert as usize, expert_view(l.tensors, l.bytes())))
+                .collect();
+            on_group(&views)?;
         }
         Ok(())
     }

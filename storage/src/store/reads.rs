@@ -296,7 +296,24 @@ impl<'s> ExpertBatch<'s> {
         Ok(())
     }
 
-    fn step(&mut self) -> Result<Option<LandedExpert<'s>>> {
+    /// The next expert of the batch whose bytes are available now (cached, or a read that
+    /// has completed), without waiting for a drive; `None` when none is.
+    pub fn next_ready(&mut self) -> Option<Result<LandedExpert<'s>>> {
+        if self.failed {
+            return None;
+        }
+        match self.step(false) {
+            Ok(l) => l.map(Ok),
+            Err(e) => {
+                self.failed = true;
+                Some(Err(e))
+            }
+        }
+    }
+
+    /// The next expert; with `wait`, blocks for a read to complete when none is ready
+    /// (`None`: all delivered); without, `None` also when nothing is ready now.
+    fn step(&mut self, wait: bool) -> Result<Option<LandedExpert<'s>>> {
         loop {
             self.submit_what_fits()?;
             if let Some(i) = self.ready.pop() {
@@ -328,13 +345,23 @@ impl<'s> ExpertBatch<'s> {
                     continue;
                 }
             }
-            let t = Instant::now();
-            let c = self.store.rx.recv().map_err(|_| StorageError::ExpertRead {
+            let closed = || StorageError::ExpertRead {
                 layer: self.layer,
                 expert: self.experts[0],
                 source: Box::new(StorageError::EngineClosed),
-            })?;
-            self.st.stats.stall += t.elapsed();
+            };
+            let c = if wait {
+                let t = Instant::now();
+                let c = self.store.rx.recv().map_err(|_| closed())?;
+                self.st.stats.stall += t.elapsed();
+                c
+            } else {
+                match self.store.rx.try_recv() {
+                    Ok(c) => c,
+                    Err(crossbeam_channel::TryRecvError::Empty) => return Ok(None),
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => return Err(closed()),
+                }
+            };
             let (key, err) = self.store.land(&mut self.st, c);
             let mine = (key.0 == self.layer)
                 .then(|| self.index_of(key.1))
@@ -369,7 +396,7 @@ impl<'s> Iterator for ExpertBatch<'s> {
         if self.failed {
             return None;
         }
-        match self.step() {
+        match self.step(true) {
             Ok(Some(l)) => Some(Ok(l)),
             Ok(None) => None,
             Err(e) => {
