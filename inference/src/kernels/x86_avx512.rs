@@ -35,7 +35,7 @@ pub fn supports_f32(kind: WeightFormat) -> bool {
 
 /// f32-activation kernels: `out[t] = sum_c w[c] * x[t*cols + c]`.
 macro_rules! f32_tile {
-    ($name:ident, $rows_name:ident, $scaled:expr, |$p:ident, $c:ident| $decode:expr) => {
+    ($name:ident, $rows_name:ident, $pair_name:ident, $scaled:expr, |$p:ident, $c:ident| $decode:expr) => {
         /// One row against `N` inputs.
         ///
         /// # Safety
@@ -108,6 +108,84 @@ macro_rules! f32_tile {
             }
         }
 
+        /// Two rows against `N` inputs (matrix products): each input slice is loaded once for
+        /// both rows and each decoded weight is used `N` times. Every (row, input) sum is
+        /// accumulated exactly as the single-row tile accumulates it, so each output equals
+        /// that tile's bit for bit.
+        ///
+        /// # Safety
+        /// As for the single-row tile, for both rows (`rows[r]` a whole row, `scales[r]` its
+        /// scales), `x` holding `N * cols` values and each `outs[r]` `N`.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        unsafe fn $pair_name<const N: usize>(
+            rows: [&[u8]; 2],
+            scales: [&[f32]; 2],
+            smul: f32,
+            group: usize,
+            x: &[f32],
+            cols: usize,
+            outs: [&mut [f32]; 2],
+        ) {
+            let xp = x.as_ptr();
+            let bpc = rows[0].len() / cols;
+            let mut acc = [[[_mm512_setzero_ps(); 2]; N]; 2];
+            let mut c = 0usize;
+            macro_rules! step {
+                ($g:ident, $j:expr) => {{
+                    let $c = c;
+                    // SAFETY: `c + 32 <= cols` (as in the single-row tile), so each row's
+                    // decode reads inside that row and the input loads read
+                    // `x[t*cols + c ..][..32]` with `t < N`, inside `x`.
+                    unsafe {
+                        for (r, gr) in $g.iter_mut().enumerate() {
+                            let $p = rows[r].as_ptr();
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                $p.wrapping_add(c * bpc + 2 * rows[0].len()) as *const i8,
+                            );
+                            let w: [__m512; 2] = $decode;
+                            for (t, g) in gr.iter_mut().enumerate() {
+                                let xr = xp.add(t * cols + c);
+                                g[$j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), g[$j]);
+                                g[$j + 1] =
+                                    _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr.add(16)), g[$j + 1]);
+                            }
+                        }
+                    }
+                    c += BLOCK;
+                }};
+            }
+            for gi in 0..cols.div_ceil(group) {
+                let end = (c + group).min(cols);
+                let mut g = [[[_mm512_setzero_ps(); 4]; N]; 2];
+                while c + 2 * BLOCK <= end {
+                    step!(g, 0);
+                    step!(g, 2);
+                }
+                if c < end {
+                    step!(g, 0);
+                }
+                for (r, (ar, gr)) in acc.iter_mut().zip(&g).enumerate() {
+                    for (a, g) in ar.iter_mut().zip(gr) {
+                        let g0 = _mm512_add_ps(g[0], g[2]);
+                        let g1 = _mm512_add_ps(g[1], g[3]);
+                        if $scaled {
+                            let sv = _mm512_set1_ps(scales[r][gi] * smul);
+                            a[0] = _mm512_fmadd_ps(g0, sv, a[0]);
+                            a[1] = _mm512_fmadd_ps(g1, sv, a[1]);
+                        } else {
+                            a[0] = _mm512_add_ps(g0, a[0]);
+                            a[1] = _mm512_add_ps(g1, a[1]);
+                        }
+                    }
+                }
+            }
+            for (out, ar) in outs.into_iter().zip(&acc) {
+                for (o, a) in out.iter_mut().zip(ar) {
+                    *o = _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1]));
+                }
+            }
+        }
+
         /// `R` rows against one input: each 32-value slice of `x` is loaded once for all `R`
         /// rows.
         ///
@@ -171,12 +249,12 @@ macro_rules! f32_tile {
     };
 }
 
-f32_tile!(f32_f32, rows_f32, false, |p, c| {
+f32_tile!(f32_f32, rows_f32, pair_f32, false, |p, c| {
     let q = p.add(4 * c) as *const f32;
     [_mm512_loadu_ps(q), _mm512_loadu_ps(q.add(16))]
 });
 
-f32_tile!(f32_bf16, rows_bf16, false, |p, c| {
+f32_tile!(f32_bf16, rows_bf16, pair_bf16, false, |p, c| {
     // 32 weights in one load, no shuffle: each 32-bit lane holds an even weight in its low
     // half (shifted up, it is that weight as f32) and an odd one in its high half (masked, the
     // same). The inputs come in the matching order ([`bf16_input_order`]).
@@ -198,7 +276,7 @@ pub fn bf16_input_order(x: &[f32]) -> Vec<f32> {
     out
 }
 
-f32_tile!(f32_f16, rows_f16, false, |p, c| {
+f32_tile!(f32_f16, rows_f16, pair_f16, false, |p, c| {
     let q = p.add(2 * c);
     [
         _mm512_cvtph_ps(_mm256_loadu_si256(q as *const __m256i)),
@@ -206,7 +284,7 @@ f32_tile!(f32_f16, rows_f16, false, |p, c| {
     ]
 });
 
-f32_tile!(f32_fp8, rows_fp8, true, |p, c| {
+f32_tile!(f32_fp8, rows_fp8, pair_fp8, true, |p, c| {
     // e4m3 -> f16 bits: each byte into the high half of a 16-bit lane (sign at bit 15), an
     // arithmetic shift right by one (exponent and mantissa land on f16's low exponent and high
     // mantissa bits, the sign is copied into bit 14) and bit 14 cleared.
@@ -265,6 +343,56 @@ pub unsafe fn row_f32(
             WeightFormat::Bf16 => go!(f32_bf16, 1.0),
             WeightFormat::F16 => go!(f32_f16, 1.0),
             WeightFormat::Fp8Block { .. } => go!(f32_fp8, 256.0),
+            _ => unreachable!("AVX-512 f32 kernels take F32, F16, BF16 and FP8 only"),
+        }
+        t += take;
+    }
+}
+
+/// Two rows against `n` inputs (matrix products): `outs[r][t] = dot(rows[r], x[t])`, each
+/// output bit-identical to [`row_f32`]'s.
+///
+/// # Safety
+/// As for [`row_f32`], for each of the two rows and their scales; each `outs[r]` holds `n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows2_f32(
+    kind: WeightFormat,
+    rows: [&[u8]; 2],
+    scales: [&[f32]; 2],
+    x: &[f32],
+    cols: usize,
+    n: usize,
+    outs: [&mut [f32]; 2],
+) {
+    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_len(cols)));
+    debug_assert!(x.len() >= n * cols && outs.iter().all(|o| o.len() >= n));
+    let group = kind.group(cols);
+    let [o0, o1] = outs;
+    let mut t = 0;
+    // Two inputs at a time, as `row_f32` takes them.
+    while t < n {
+        let take = (n - t).min(2);
+        let xs = &x[t * cols..(t + take) * cols];
+        let os = [&mut o0[t..t + take], &mut o1[t..t + take]];
+        macro_rules! go {
+            ($f:ident, $smul:expr) => {
+                // SAFETY: the caller's contract is the tile's contract; `xs` holds `take`
+                // inputs and each of `os` `take` outputs.
+                unsafe {
+                    if take == 2 {
+                        $f::<2>(rows, scales, $smul, group, xs, cols, os)
+                    } else {
+                        $f::<1>(rows, scales, $smul, group, xs, cols, os)
+                    }
+                }
+            };
+        }
+        match kind {
+            WeightFormat::F32 => go!(pair_f32, 1.0),
+            WeightFormat::Bf16 => go!(pair_bf16, 1.0),
+            WeightFormat::F16 => go!(pair_f16, 1.0),
+            WeightFormat::Fp8Block { .. } => go!(pair_fp8, 256.0),
             _ => unreachable!("AVX-512 f32 kernels take F32, F16, BF16 and FP8 only"),
         }
         t += take;
