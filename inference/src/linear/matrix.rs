@@ -150,9 +150,19 @@ impl<'a> WeightMatrix<'a> {
         )
     }
 
-    /// Decode row `r` into `out[..cols]` as f32 (the scalar reference decoder).
+    /// Decode row `r` into `out[..cols]` as f32 (the scalar reference decoder; BF16, exact, on
+    /// the SIMD path where the matrix's kernels have one).
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
         let rb = self.format.row_len(self.cols);
+        if self.format == WeightFormat::Bf16 {
+            // Exact either way; MLA decodes kv_b_proj rows on every forward.
+            crate::kernels::scales::bf16_to_f32(
+                self.kernels.isa,
+                &self.data[r * rb..(r + 1) * rb],
+                &mut out[..self.cols],
+            );
+            return;
+        }
         let mut scales = Vec::new();
         self.row_scales(r, &mut scales);
         crate::kernels::scalar::decode_row(
