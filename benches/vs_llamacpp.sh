@@ -93,6 +93,8 @@ for f in "${formats[@]}"; do
     ggufs=("$work/ds-$f.gguf")
     [ "$f" != bf16 ] && ggufs+=("$work/ds-$f-experts.gguf")
     [ "$f" = bf16 ] && ggufs=("$g16")
+    # Both engines' files into the page cache (each engine maps them; "in RAM" means this).
+    cat "$work/ds-$f"/*.safetensors "${ggufs[@]}" > /dev/null
     "$bin" generate --model "$work/ds-$f" --prompt-ids 5 -n 4 --ignore-eos -q > /dev/null 2>&1
     for ((r = 0; r < RUNS; r++)); do
         for g in "${ggufs[@]}"; do
