@@ -372,6 +372,30 @@ pub(crate) fn rows_task(
             }
         }
     }
+    #[cfg(target_arch = "x86_64")]
+    if n > 1 && isa == Isa::Avx512 && kind.integer() && kind.simd_shape(cols) {
+        if let Inputs::I16(xq) = xin {
+            while first + 2 <= nr {
+                let r = r0 + first;
+                let (i0, i1) = (first - s0, first + 1 - s0);
+                let rows2 = [
+                    &data[r * rb..(r + 1) * rb],
+                    &data[(r + 1) * rb..(r + 2) * rb],
+                ];
+                let sc2 = [
+                    &scales[i0 * per_row..(i0 + 1) * per_row],
+                    &scales[i1 * per_row..(i1 + 1) * per_row],
+                ];
+                let (a, b) = o[first * n..(first + 2) * n].split_at_mut(n);
+                // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA were
+                // detected; `simd_shape` holds; each row is `row_bytes(cols)` long, each scale
+                // slice holds the row's `cols / 32` block scales as f32 (expanded above),
+                // `xq` holds `n` inputs and `a`, `b` `n` outputs each.
+                unsafe { x86_avx512::rows2_i16(kind, rows2, sc2, xq, cols, n, [a, b]) };
+                first += 2;
+            }
+        }
+    }
     for (i, orow) in o.chunks_mut(n).enumerate().skip(first) {
         let r = r0 + i;
         row_dot(

@@ -1073,6 +1073,62 @@ pub unsafe fn row_i16(
     }
 }
 
+/// Two rows against `n` 16-bit inputs (matrix products): `outs[r][t] = dot(rows[r], x[t])`,
+/// each input's planes loaded once for both rows; each output bit-identical to
+/// [`row_i16`]'s (the tile sums every output in the same order whatever its shape).
+///
+/// # Safety
+/// As for [`row_i16`], for both rows and their f32 block scales; each `outs[r]` holds `n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows2_i16(
+    kind: WeightFormat,
+    rows: [&[u8]; 2],
+    scales: [&[f32]; 2],
+    x: &I16Inputs,
+    cols: usize,
+    n: usize,
+    outs: [&mut [f32]; 2],
+) {
+    debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_len(cols)));
+    let blocks = cols / BLOCK;
+    debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols);
+    debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks);
+    debug_assert!(scales.iter().all(|s| s.len() >= blocks) && outs.iter().all(|o| o.len() >= n));
+    let sc = [BlockScales::F32(scales[0]), BlockScales::F32(scales[1])];
+    let [o0, o1] = outs;
+    let mut t = 0;
+    while t < n {
+        // Four inputs at a time, as `row_i16` takes them.
+        let k = (n - t).min(4);
+        let xt = I16Slices::of(x, t, k, cols);
+        let mut tmp = [0f32; 8];
+        macro_rules! go {
+            ($c:ty) => {
+                // SAFETY: the caller's contract is the tile's; `xt` holds `k` inputs and
+                // `tmp` the `2 * k` outputs (`out[r * k + t]`).
+                unsafe {
+                    match k {
+                        4 => tile_with_scales::<$c, 2, 4>(rows, sc, xt, cols, &mut tmp[..8]),
+                        3 => tile_with_scales::<$c, 2, 3>(rows, sc, xt, cols, &mut tmp[..6]),
+                        2 => tile_with_scales::<$c, 2, 2>(rows, sc, xt, cols, &mut tmp[..4]),
+                        _ => tile_with_scales::<$c, 2, 1>(rows, sc, xt, cols, &mut tmp[..2]),
+                    }
+                }
+            };
+        }
+        match kind {
+            WeightFormat::Int4 { .. } => go!(Int4Codes),
+            WeightFormat::Mxfp4 { .. } => go!(Mxfp4Codes),
+            WeightFormat::Q8 { .. } => go!(Q8Codes),
+            _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
+        }
+        o0[t..t + k].copy_from_slice(&tmp[..k]);
+        o1[t..t + k].copy_from_slice(&tmp[k..2 * k]);
+        t += k;
+    }
+}
+
 /// `R` rows against one 16-bit input (matrix-vector products): `out[r] = dot(rows[r], x)`.
 ///
 /// # Safety
