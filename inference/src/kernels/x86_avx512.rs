@@ -187,7 +187,7 @@ macro_rules! f32_tile {
         }
 
         /// `R` rows against one input: each 32-value slice of `x` is loaded once for all `R`
-        /// rows.
+        /// rows; each row summed as the single-row tile sums it (bit-identical).
         ///
         /// # Safety
         /// As for the single-row tile, for each of the `R` rows (`rows[r]` a whole row,
@@ -208,16 +208,16 @@ macro_rules! f32_tile {
             let ahead = R * rows[0].len();
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
             let mut c = 0usize;
-            for gi in 0..cols.div_ceil(group) {
-                let end = (c + group).min(cols);
-                let mut g = [[_mm512_setzero_ps(); 2]; R];
-                while c < end {
+            // Two steps per iteration into separate accumulators, as the single-row tile
+            // does, so that each row's sum is that tile's bit for bit.
+            macro_rules! step {
+                ($g:ident, $j:expr) => {{
                     // SAFETY: `c + 32 <= cols`, so the input loads read inside `x` and each
                     // row's decode reads inside that row (see the single-row tile).
                     unsafe {
                         let x0 = _mm512_loadu_ps(xp.add(c));
                         let x1 = _mm512_loadu_ps(xp.add(c + 16));
-                        for (r, g) in g.iter_mut().enumerate() {
+                        for (r, g) in $g.iter_mut().enumerate() {
                             let $p = rows[r].as_ptr();
                             // The same position `R` rows on (the next tile's rows): a hint.
                             _mm_prefetch::<_MM_HINT_T0>(
@@ -225,20 +225,33 @@ macro_rules! f32_tile {
                             );
                             let $c = c;
                             let w: [__m512; 2] = $decode;
-                            g[0] = _mm512_fmadd_ps(w[0], x0, g[0]);
-                            g[1] = _mm512_fmadd_ps(w[1], x1, g[1]);
+                            g[$j] = _mm512_fmadd_ps(w[0], x0, g[$j]);
+                            g[$j + 1] = _mm512_fmadd_ps(w[1], x1, g[$j + 1]);
                         }
                     }
                     c += BLOCK;
+                }};
+            }
+            for gi in 0..cols.div_ceil(group) {
+                let end = (c + group).min(cols);
+                let mut g = [[_mm512_setzero_ps(); 4]; R];
+                while c + 2 * BLOCK <= end {
+                    step!(g, 0);
+                    step!(g, 2);
+                }
+                if c < end {
+                    step!(g, 0);
                 }
                 for (r, (a, g)) in acc.iter_mut().zip(&g).enumerate() {
+                    let g0 = _mm512_add_ps(g[0], g[2]);
+                    let g1 = _mm512_add_ps(g[1], g[3]);
                     if $scaled {
                         let sv = _mm512_set1_ps(scales[r][gi] * smul);
-                        a[0] = _mm512_fmadd_ps(g[0], sv, a[0]);
-                        a[1] = _mm512_fmadd_ps(g[1], sv, a[1]);
+                        a[0] = _mm512_fmadd_ps(g0, sv, a[0]);
+                        a[1] = _mm512_fmadd_ps(g1, sv, a[1]);
                     } else {
-                        a[0] = _mm512_add_ps(g[0], a[0]);
-                        a[1] = _mm512_add_ps(g[1], a[1]);
+                        a[0] = _mm512_add_ps(g0, a[0]);
+                        a[1] = _mm512_add_ps(g1, a[1]);
                     }
                 }
             }
