@@ -317,8 +317,7 @@ pub(crate) fn rows_task(
     #[cfg(target_arch = "x86_64")]
     if n == 1
         && (cols * 4 > 16 << 10
-            || (isa == Isa::Avx512
-                && matches!(kind, WeightFormat::Fp8Block { .. } | WeightFormat::Bf16)))
+            || (isa == Isa::Avx512 && matches!(kind, WeightFormat::Fp8Block { .. })))
         && isa.has_avx2()
         && kind.simd_shape(cols)
     {
