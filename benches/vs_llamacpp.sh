@@ -9,7 +9,8 @@
 # llama-quantize (Q8_0, Q4_K_M; and experts-only variants with the rest BF16, as deltafin keeps
 # it). Decode: tokens/s generating --decode tokens after a 1-token prompt (llama-bench tg);
 # prefill: a --prompt-token prompt (llama-bench pp), time to first token for deltafin.
-# Medians of --runs; writes benches/results/vs_llamacpp.json.
+# Medians of --runs, and the median of per-run ratios (engines measured back to back);
+# writes benches/results/vs_llamacpp.json.
 #
 #   benches/vs_llamacpp.sh [--runs 3] [--decode 64] [--prompt 32] [--formats bf16,q8,int4]
 set -euo pipefail
@@ -142,9 +143,16 @@ for fmt in ["bf16", "q8", "int4"]:
             if (f, k, e) != (fmt, kind, "llama.cpp"):
                 continue
             theirs = statistics.median(v)
+            # Paired by run (the two engines measured back to back): this shared host's
+            # memory bandwidth drifts between runs more than the differences measured.
+            by_run = lambda e, f2: {x["run"]: x["tokens_per_s"] for x in rows
+                                    if (x["format"], x["kind"], x["engine"], x.get("file", "")) == (fmt, kind, e, f2)}
+            o, t = by_run("deltafin", ""), by_run("llama.cpp", file)
+            paired = [o[r] / t[r] for r in sorted(o) if r in t]
             table.append({"format": fmt, "kind": kind, "llama_cpp_file": file,
                           "deltafin_tokens_per_s": ours_m, "llama_cpp_tokens_per_s": theirs,
-                          "ratio": ours_m / theirs})
+                          "ratio_of_medians": ours_m / theirs,
+                          "ratio": statistics.median(paired), "paired_ratios": paired})
 cpu = next((x.get("cpu_info") for x in rows if x.get("cpu_info")), None)
 flags = open("/proc/cpuinfo").read()
 isas = [f for f in ["avx512_vnni", "avx512_bf16", "avx512f", "avx_vnni", "avx2", "fma", "amx_tile"]
@@ -159,6 +167,7 @@ out = {"benchmark": "deltafin vs llama.cpp in RAM, 2 threads, same synthetic mod
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for t in table:
     print(f"{t['format']:5} {t['kind']:7} {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
-          f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  ratio {t['ratio']:.2f}")
+          f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  paired ratio {t['ratio']:.2f} "
+          f"({min(t['paired_ratios']):.2f}-{max(t['paired_ratios']):.2f})")
 PY
 rm -f "$raw"
