@@ -57,6 +57,7 @@ print(json.dumps({'engine': 'deltafin', 'format': '$f', 'cap_bytes': $cap, 'mode
                   'decode_io_stall_s': x.get('decode_io_stall_s'), 'expert_cache_hit_rate': x.get('expert_cache_hit_rate')}))" >> "$raw"
     rm -rf "$drive"
     for g in "$work/ds-$f.gguf" "$work/ds-$f-experts.gguf"; do
+        [ -f "$g" ] || continue # bf16 has no experts-only variant
         drop
         # --repack 0: with the default repack, llama.cpp copies quantized weights into
         # anonymous memory at load, more than the cap holds (a first try did not finish

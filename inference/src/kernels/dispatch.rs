@@ -214,7 +214,7 @@ pub(crate) fn prepare_inputs<'x>(
         *slot = x86_avx512::bf16_input_order(x);
         return Inputs::F32(slot);
     }
-    let _ = slot;
+    let _ = slot; // only the x86_64 BF16 path reorders
     Inputs::F32(x)
 }
 

@@ -144,11 +144,10 @@ pub(crate) fn parse(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::bad("stream", "`stream` must be a boolean")),
     };
-    if let Some(p) = obj
+    if obj
         .get("logprobs")
-        .filter(|p| !matches!(p, Value::Null | Value::Bool(false)))
+        .is_some_and(|p| !matches!(p, Value::Null | Value::Bool(false)))
     {
-        let _ = p;
         return Err(ApiError::bad("logprobs", "logprobs are not supported"));
     }
     let include_usage = obj
