@@ -33,6 +33,7 @@
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
+pub(crate) mod bf16;
 pub mod dispatch;
 pub mod inputs;
 pub mod isa;

@@ -30,21 +30,6 @@ pub(crate) fn scales_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec
 const SCALE_CHUNK: usize = 1024;
 const _: () = assert!(SCALE_CHUNK.is_multiple_of(4));
 
-/// `out[i] = bf16(bytes[2i..2i+2])` (exact), on AVX-512 where `isa` is it.
-pub(crate) fn bf16_to_f32(isa: Isa, bytes: &[u8], out: &mut [f32]) {
-    assert!(bytes.len() >= 2 * out.len(), "bf16 bytes for every output");
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && isa.available() {
-        // SAFETY: AVX-512 F/BW were detected (`available`); `bytes` holds two bytes per
-        // output (asserted above).
-        unsafe { x86_avx512::bf16_to_f32(bytes, out) };
-        return;
-    }
-    for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-        *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-    }
-}
-
 fn scales_chunk_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>) {
     let start = out.len();
     let count = match st {

@@ -156,7 +156,7 @@ impl<'a> WeightMatrix<'a> {
         let rb = self.format.row_len(self.cols);
         if self.format == WeightFormat::Bf16 {
             // Exact either way; MLA decodes kv_b_proj rows on every forward.
-            crate::kernels::scales::bf16_to_f32(
+            crate::kernels::bf16::bf16_to_f32(
                 self.kernels.isa,
                 &self.data[r * rb..(r + 1) * rb],
                 &mut out[..self.cols],
