@@ -15,7 +15,7 @@ use deltafin_storage::backend::IoBackend;
 use deltafin_storage::engine::HashCheck;
 use deltafin_storage::manifest::{Manifest, RecordTensor};
 use deltafin_storage::store::{
-    CachePolicy, ExpertStore, LoadProgress, ResidentSet, StoreOptions, StoreStats,
+    CachePolicy, ExpertBatch, ExpertStore, LoadProgress, ResidentSet, StoreOptions, StoreStats,
 };
 use deltafin_storage::stripe::Mode;
 use deltafin_storage::StorageError;
@@ -136,6 +136,22 @@ fn expert_view<'a>(tensors: &'a [RecordTensor], bytes: &'a [u8]) -> ExpertView<'
 }
 
 impl LayoutSource {
+    /// Start reading `experts` of decoder `layer` (an index out of range is an error naming
+    /// the first expert).
+    fn fetch(&self, layer: usize, experts: &[usize]) -> Result<ExpertBatch<'_>> {
+        let first = experts.first().copied().unwrap_or(0);
+        let Some((l, ids)) = store_ids(layer, experts) else {
+            return Err(InferenceError::MissingExpert {
+                layer,
+                expert: first,
+                reason: "layer or expert index out of range".into(),
+            });
+        };
+        self.store
+            .fetch(l, &ids)
+            .map_err(|e| expert_error(layer, first, e))
+    }
+
     /// Open the layout whose manifest is `path` (a `manifest.json` or the layout folder on any
     /// of its drives) and load the whole resident set.
     pub fn open(path: &Path, options: &LayoutSourceOptions) -> Result<LayoutSource> {
@@ -248,17 +264,7 @@ impl WeightSource for LayoutSource {
         on_ready: &mut ExpertCallback<'_>,
     ) -> Result<()> {
         let first = experts.first().copied().unwrap_or(0);
-        let Some((l, ids)) = store_ids(layer, experts) else {
-            return Err(InferenceError::MissingExpert {
-                layer,
-                expert: first,
-                reason: "layer or expert index out of range".into(),
-            });
-        };
-        let batch = self
-            .store
-            .fetch(l, &ids)
-            .map_err(|e| expert_error(layer, first, e))?;
+        let batch = self.fetch(layer, experts)?;
         for landed in batch {
             let landed = landed.map_err(|e| expert_error(layer, first, e))?;
             let view = expert_view(landed.tensors, landed.bytes());
@@ -274,17 +280,7 @@ impl WeightSource for LayoutSource {
         on_group: &mut ExpertGroupCallback<'_>,
     ) -> Result<()> {
         let first = experts.first().copied().unwrap_or(0);
-        let Some((l, ids)) = store_ids(layer, experts) else {
-            return Err(InferenceError::MissingExpert {
-                layer,
-                expert: first,
-                reason: "layer or expert index out of range".into(),
-            });
-        };
-        let mut batch = self
-            .store
-            .fetch(l, &ids)
-            .map_err(|e| expert_error(layer, first, e))?;
+        let mut batch = self.fetch(layer, experts)?;
         // Wait for one expert, then take every other one that is already there (cached, or
         // landed meanwhile): the group is computed in one parallel pass while the drives
         // go on reading the rest.

@@ -4,44 +4,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn chat_model(dir: &Path) -> PathBuf {
-    let model = dir.join("chatmodel");
-    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
-        .args([
-            "synth",
-            "--out",
-            model.to_str().unwrap(),
-            "--preset",
-            "tiny",
-        ])
-        .args(["--set", "vocab_size=606", "--force", "-q"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::copy(
-        repo().join("testdata/tokenizers/hf/tokenizer.json"),
-        model.join("tokenizer.json"),
-    )
-    .unwrap();
-    std::fs::copy(
-        repo().join("testdata/chat_templates/kimi_k2_instruct.jinja"),
-        model.join("chat_template.jinja"),
-    )
-    .unwrap();
-    model
-}
+mod common;
+use common::chat_model;
 
 fn chat(model: &Path, args: &[&str], input: &str) -> (String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_deltafin"))

@@ -347,53 +347,40 @@ pub(crate) fn rows_task(
             }
         }
     }
-    // Matrix products on AVX-512's f32 path: two rows at a time share each input load.
+    // Matrix products on AVX-512 (f32 path and 16-bit activations): two rows at a time share
+    // each input load.
     #[cfg(target_arch = "x86_64")]
-    if n > 1 && isa == Isa::Avx512 && x86_avx512::supports_f32(kind) && kind.simd_shape(cols) {
-        if let Inputs::F32(xf) = xin {
-            while first + 2 <= nr {
-                let r = r0 + first;
-                let (i0, i1) = (first - s0, first + 1 - s0);
-                let rows2 = [
-                    &data[r * rb..(r + 1) * rb],
-                    &data[(r + 1) * rb..(r + 2) * rb],
-                ];
-                let sc2 = [
-                    &scales[i0 * per_row..(i0 + 1) * per_row],
-                    &scales[i1 * per_row..(i1 + 1) * per_row],
-                ];
-                let (a, b) = o[first * n..(first + 2) * n].split_at_mut(n);
+    if n > 1 && isa == Isa::Avx512 && kind.simd_shape(cols) {
+        let f32_path = x86_avx512::supports_f32(kind) && matches!(xin, Inputs::F32(_));
+        let i16_path = kind.integer() && matches!(xin, Inputs::I16(_));
+        while (f32_path || i16_path) && first + 2 <= nr {
+            let r = r0 + first;
+            let (i0, i1) = (first - s0, first + 1 - s0);
+            let rows2 = [
+                &data[r * rb..(r + 1) * rb],
+                &data[(r + 1) * rb..(r + 2) * rb],
+            ];
+            let sc2 = [
+                &scales[i0 * per_row..(i0 + 1) * per_row],
+                &scales[i1 * per_row..(i1 + 1) * per_row],
+            ];
+            let (a, b) = o[first * n..(first + 2) * n].split_at_mut(n);
+            match xin {
                 // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C were
                 // detected; `supports_f32` and `simd_shape` hold; each row is
                 // `row_bytes(cols)` long with its scales, `xf` holds `n * cols` (checked by
                 // `matmul`) and `a`, `b` `n` outputs each.
-                unsafe { x86_avx512::rows2_f32(kind, rows2, sc2, xf, cols, n, [a, b]) };
-                first += 2;
+                Inputs::F32(xf) => unsafe {
+                    x86_avx512::rows2_f32(kind, rows2, sc2, xf, cols, n, [a, b])
+                },
+                // SAFETY: as above, for an integer format; each scale slice holds the row's
+                // `cols / 32` block scales as f32 (expanded above) and `xq` `n` inputs.
+                Inputs::I16(xq) => unsafe {
+                    x86_avx512::rows2_i16(kind, rows2, sc2, xq, cols, n, [a, b])
+                },
+                Inputs::I8 { .. } => break,
             }
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if n > 1 && isa == Isa::Avx512 && kind.integer() && kind.simd_shape(cols) {
-        if let Inputs::I16(xq) = xin {
-            while first + 2 <= nr {
-                let r = r0 + first;
-                let (i0, i1) = (first - s0, first + 1 - s0);
-                let rows2 = [
-                    &data[r * rb..(r + 1) * rb],
-                    &data[(r + 1) * rb..(r + 2) * rb],
-                ];
-                let sc2 = [
-                    &scales[i0 * per_row..(i0 + 1) * per_row],
-                    &scales[i1 * per_row..(i1 + 1) * per_row],
-                ];
-                let (a, b) = o[first * n..(first + 2) * n].split_at_mut(n);
-                // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA were
-                // detected; `simd_shape` holds; each row is `row_bytes(cols)` long, each scale
-                // slice holds the row's `cols / 32` block scales as f32 (expanded above),
-                // `xq` holds `n` inputs and `a`, `b` `n` outputs each.
-                unsafe { x86_avx512::rows2_i16(kind, rows2, sc2, xq, cols, n, [a, b]) };
-                first += 2;
-            }
+            first += 2;
         }
     }
     for (i, orow) in o.chunks_mut(n).enumerate().skip(first) {
