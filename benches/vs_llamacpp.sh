@@ -8,7 +8,8 @@
 # GGUF by benches/hf_to_gguf.py (bf16, tensors identical to llama.cpp's own converter) then
 # llama-quantize (Q8_0, Q4_K_M; and experts-only variants with the rest BF16, as deltafin keeps
 # it). Decode: tokens/s generating --decode tokens after a 1-token prompt (llama-bench tg);
-# prefill: a --prompt-token prompt (llama-bench pp), time to first token for deltafin.
+# prefill: a --prompt-token prompt (llama-bench pp). Both measured the way llama-bench does it:
+# model loaded once, an untimed warm-up run, then timed runs (deltafin: `bench compute`).
 # Medians of --runs, and the median of per-run ratios (engines measured back to back);
 # writes benches/results/vs_llamacpp.json.
 #
@@ -110,19 +111,15 @@ for l in sys.stdin:
                       'tokens_per_s': x['avg_ts'], 'cpu_info': x.get('cpu_info'),
                       'model_type': x.get('model_type'), 'n_threads': x.get('n_threads')}))" >> "$raw"
         done
-        # deltafin: one decode run (1-token prompt), one prefill run (time to first token).
-        "$bin" generate --model "$work/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos --json -q 2>/dev/null |
+        # deltafin: the same measurement in one process (`bench compute`: load, one untimed
+        # warm-up generation, then a fresh session for prefill and one for decode).
+        "$bin" bench compute "$work/ds-$f" --prompt "$PROMPT" --decode "$DECODE" --runs 1 --json 2>/dev/null |
             tail -1 | python3 -c "
 import json, sys
 x = json.loads(sys.stdin.read())
-print(json.dumps({'engine': 'deltafin', 'format': '$f', 'run': $r, 'kind': 'decode',
-                  'tokens_per_s': 1.0 / x['decode_s_per_token'], 'kernels': x.get('kernels')}))" >> "$raw"
-        "$bin" generate --model "$work/ds-$f" --prompt-ids "$prompt_ids" -n 1 --ignore-eos --json -q 2>/dev/null |
-            tail -1 | python3 -c "
-import json, sys
-x = json.loads(sys.stdin.read())
-print(json.dumps({'engine': 'deltafin', 'format': '$f', 'run': $r, 'kind': 'prefill',
-                  'tokens_per_s': $PROMPT / x['ttft_s'], 'ttft_s': x['ttft_s'], 'kernels': x.get('kernels')}))" >> "$raw"
+for kind, key in (('decode', 'decode_tokens_per_s_median'), ('prefill', 'prefill_tokens_per_s_median')):
+    print(json.dumps({'engine': 'deltafin', 'format': '$f', 'run': $r, 'kind': kind,
+                      'tokens_per_s': x[key], 'kernels': x.get('kernels')}))" >> "$raw"
     done
 done
 BENCH_CMD="benches/vs_llamacpp.sh $ORIG_ARGS" python3 - "$raw" "$repo/benches/results/vs_llamacpp.json" \

@@ -75,7 +75,7 @@ pub fn synthetic_prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
         .collect()
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
     v.retain(|x| x.is_finite());
     if v.is_empty() {
         return None;

@@ -1,5 +1,6 @@
 //! The `deltafin` command line.
 
+mod bench_compute;
 mod bench_generate;
 mod bench_io;
 mod chat_cmd;
@@ -62,6 +63,8 @@ enum BenchCommand {
     Io(bench_io::BenchIoArgs),
     /// Generation over a layout: standard prompts, 128 and 512 new tokens, repeats, medians.
     Generate(bench_generate::BenchGenerateArgs),
+    /// Prefill and decode speed of one loaded model after a warm-up, as llama-bench measures.
+    Compute(bench_compute::BenchComputeArgs),
 }
 
 fn main() {
@@ -97,6 +100,7 @@ fn run(command: &Command) -> anyhow::Result<()> {
         Command::Verify(a) => verify_cmd::run(a),
         Command::Bench(BenchCommand::Io(a)) => bench_io::run(a),
         Command::Bench(BenchCommand::Generate(a)) => bench_generate::run(a),
+        Command::Bench(BenchCommand::Compute(a)) => bench_compute::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Generate(a) => generate::run::run_generate(a),
         Command::Logits(a) => logits_cmd::run_logits(a),

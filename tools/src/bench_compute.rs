@@ -1,0 +1,129 @@
+//! `deltafin bench compute MODEL`: prefill and decode speed of one loaded model, measured the
+//! way llama.cpp's `llama-bench` measures them, so the two can stand side by side: the model
+//! is opened once, one untimed warm-up generation runs first (it maps the weights and fills the
+//! caches, as llama-bench's warm-up does), then each run starts a fresh session and times
+//! prefill (`--prompt` tokens to the first token's logits) and decode (`--decode` tokens after
+//! a one-token prompt). Reports every run and the medians.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use deltafin_inference::generate::DEFAULT_PREFILL_CHUNK;
+use deltafin_inference::run::memory::tame_allocator;
+use deltafin_inference::{generate, GenerateConfig, KernelConfig};
+use deltafin_storage::engine::HashCheck;
+use serde_json::json;
+
+use crate::bench_generate::{median, synthetic_prompt};
+use crate::generate::args::SourceArgs;
+use crate::generate::loaded::load;
+use crate::util::{machine, parse_size};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchComputeArgs {
+    /// A model directory (config.json + safetensors) or a layout.
+    pub model: PathBuf,
+    /// Prompt tokens of the prefill runs (synthetic ids).
+    #[arg(long, default_value_t = 512)]
+    pub prompt: usize,
+    /// Tokens generated in the decode runs, after a one-token prompt.
+    #[arg(long, default_value_t = 128)]
+    pub decode: usize,
+    /// Timed runs of each; medians are reported.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    #[arg(long, value_parser = parse_size)]
+    pub ram_budget: Option<u64>,
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
+    tame_allocator();
+    anyhow::ensure!(a.prompt > 0 && a.decode > 0, "--prompt and --decode must be at least 1");
+    let source = SourceArgs {
+        model: a.model.clone(),
+        threads_per_drive: 4,
+        hash_check: HashCheck::All,
+        ram_budget: a.ram_budget,
+        cache_policy: Default::default(),
+        no_prefetch: false,
+        prefill_chunk: a.prefill_chunk,
+        tokenizer: None,
+        quiet: true,
+    };
+    let mut loaded = load(&source)?;
+    loaded.apply_budget(&source, a.prompt.max(a.decode + 1))?;
+    let model = loaded.model();
+    let vocab = model.vocab_size();
+    let prompt = synthetic_prompt(a.prompt, vocab, 1);
+    let one = synthetic_prompt(1, vocab, 2);
+    let config = |n: usize| {
+        let mut c = GenerateConfig::for_model(model, n);
+        c.stop_tokens.clear();
+        c.prefill_chunk = a.prefill_chunk;
+        c
+    };
+    // Returns the times at which each token came.
+    let timed = |ids: &[u32], n: usize| -> anyhow::Result<(Instant, Vec<Instant>)> {
+        let mut times = Vec::with_capacity(n);
+        let start = Instant::now();
+        generate(model, &mut model.new_session(), ids, &config(n), &mut |_| {
+            times.push(Instant::now());
+            true
+        })
+        .context("generating")?;
+        Ok((start, times))
+    };
+    // Warm-up: one prefill and a few decode steps, untimed.
+    timed(&prompt, 4)?;
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for _ in 0..a.runs.max(1) {
+        let (start, times) = timed(&prompt, 1)?;
+        let ttft = times.first().map(|t| t.duration_since(start).as_secs_f64());
+        prefill.push(ttft.map(|s| a.prompt as f64 / s).unwrap_or(f64::NAN));
+        let (_, times) = timed(&one, a.decode + 1)?;
+        let rate = match (times.first(), times.last()) {
+            (Some(f), Some(l)) if times.len() > 1 => {
+                (times.len() - 1) as f64 / l.duration_since(*f).as_secs_f64()
+            }
+            _ => f64::NAN,
+        };
+        decode.push(rate);
+    }
+    let isa = format!("{:?}", KernelConfig::default().isa);
+    let (pm, dm) = (median(prefill.clone()), median(decode.clone()));
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "bench": "compute",
+                "model": a.model.display().to_string(),
+                "kernels": isa,
+                "threads": rayon::current_num_threads(),
+                "prompt_tokens": a.prompt,
+                "decode_tokens": a.decode,
+                "prefill_tokens_per_s": prefill,
+                "decode_tokens_per_s": decode,
+                "prefill_tokens_per_s_median": pm,
+                "decode_tokens_per_s_median": dm,
+                "machine": machine(),
+            })
+        );
+    } else {
+        println!(
+            "prefill {} tokens: {:.1} tokens/s; decode {} tokens: {:.2} tokens/s (medians of {}, kernels {isa})",
+            a.prompt,
+            pm.unwrap_or(f64::NAN),
+            a.decode,
+            dm.unwrap_or(f64::NAN),
+            a.runs.max(1)
+        );
+    }
+    Ok(())
+}
