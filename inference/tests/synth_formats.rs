@@ -109,7 +109,7 @@ fn decode(ck: &Checkpoint, prefix: &str, f: SynthFormat, rows: usize, cols: usiz
                 }
             }
         }
-        SynthFormat::Bf16 => unreachable!(),
+        SynthFormat::Bf16 | SynthFormat::Packed { .. } => unreachable!(),
     }
     out
 }
@@ -182,7 +182,7 @@ fn synth_formats_round_trip_and_run() {
                         assert_eq!(ck.bytes(&p.name).unwrap(), &bytes[..], "{f} {}", p.name);
                     }
                 }
-                SynthFormat::Bf16 => unreachable!(),
+                SynthFormat::Bf16 | SynthFormat::Packed { .. } => unreachable!(),
             }
             // Our dequantizer reads back exactly the quantized values.
             let ours = dequantize(&src, &format!("{prefix}.weight"), rows, cols, &hints).unwrap();
@@ -207,6 +207,135 @@ fn synth_formats_round_trip_and_run() {
         // these random-weight logits by 3.1: not bounded here (see the closing note of issue 5).
         if f != SynthFormat::Fp8 {
             assert!(err <= 0.5 * (1.0 + want_max), "{f}: {err}");
+        }
+    }
+}
+
+/// A model directory whose packed non-expert projections are served as the f32 values they
+/// dequantize to (the reference the packed model must compute).
+struct Dequantized {
+    inner: DirSource,
+    f32: std::collections::HashMap<String, (Vec<u64>, Vec<u8>)>,
+    hidden: std::collections::HashSet<String>,
+}
+
+impl Dequantized {
+    fn new(inner: DirSource, packed: &[(String, usize, usize)]) -> Dequantized {
+        let hints = QuantHints::from_config(inner.config().get("quantization_config"));
+        let mut f32 = std::collections::HashMap::new();
+        let mut hidden = std::collections::HashSet::new();
+        for (prefix, rows, cols) in packed {
+            let name = format!("{prefix}.weight");
+            let v = dequantize(&inner, &name, *rows, *cols, &hints).unwrap();
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            f32.insert(name, (vec![*rows as u64, *cols as u64], bytes));
+            for part in ["weight_packed", "weight_scale", "weight_shape"] {
+                hidden.insert(format!("{prefix}.{part}"));
+            }
+        }
+        Dequantized { inner, f32, hidden }
+    }
+}
+
+impl WeightSource for Dequantized {
+    fn config(&self) -> &serde_json::Value {
+        self.inner.config()
+    }
+    fn tensor(&self, name: &str) -> deltafin_inference::Result<deltafin_inference::TensorRef<'_>> {
+        if let Some((shape, bytes)) = self.f32.get(name) {
+            return Ok(deltafin_inference::TensorRef::new(Dtype::F32, shape, bytes));
+        }
+        if self.hidden.contains(name) {
+            return Err(deltafin_inference::InferenceError::MissingTensor { name: name.into() });
+        }
+        self.inner.tensor(name)
+    }
+    fn with_experts(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_ready: &mut deltafin_inference::weights::ExpertCallback<'_>,
+    ) -> deltafin_inference::Result<()> {
+        self.inner.with_experts(layer, experts, on_ready)
+    }
+}
+
+/// `synth --format F --quantize-dense D`: every non-expert projection of every architecture is
+/// stored packed (routers, norms, embeddings, lm_head and one-row matrices stay as they are),
+/// and the model runs them: its logits equal, to f32 rounding, those of the same checkpoint
+/// with each packed projection replaced by the f32 values it dequantizes to.
+#[test]
+fn dense_projections_packed_on_every_architecture() {
+    use deltafin_inference::synth::is_dense_projection;
+    use deltafin_inference::synth::presets::SYNTH_ARCHS;
+    use deltafin_inference::KernelConfig;
+    let base = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 41 + 7) % 500).collect();
+    // f32 activations, so the packed kernels and the f32 reference differ only in rounding.
+    let kernels = KernelConfig {
+        f32_activations: true,
+        ..KernelConfig::best()
+    };
+    for arch in SYNTH_ARCHS {
+        let bf16_dir = base.path().join(format!("{arch}-bf16"));
+        synth(&bf16_dir, arch, SynthFormat::Bf16);
+        let bf16 = Checkpoint::open(&bf16_dir).unwrap();
+        for (experts, dense) in [
+            (ExpertFormat::Q8, ExpertFormat::Q8),
+            (ExpertFormat::Int4, ExpertFormat::Q8),
+            (ExpertFormat::Mxfp4, ExpertFormat::Int4),
+        ] {
+            let f = SynthFormat::Packed { experts, dense };
+            let dir = base.path().join(format!("{arch}-{f}"));
+            synth(&dir, arch, f);
+            let ck = Checkpoint::open(&dir).unwrap();
+            let names: Vec<String> = ck.tensors.iter().map(|t| t.info.name.clone()).collect();
+            let mut packed_dense = Vec::new();
+            for t in &bf16.tensors {
+                let name = &t.info.name;
+                let Some(prefix) = name.strip_suffix(".weight") else {
+                    continue;
+                };
+                let shape = &t.info.shape;
+                let expert = name.contains(".experts.") && !name.contains("shared");
+                let packable = shape.len() == 2 && shape[0] > 1 && shape[1] % 32 == 0;
+                let packed = names.contains(&format!("{prefix}.weight_packed"));
+                if !expert && packable && is_dense_projection(name) {
+                    assert!(packed, "{arch} {f}: {name} not packed");
+                    assert!(!names.contains(name), "{arch} {f}: {name} kept too");
+                    packed_dense.push((prefix.to_string(), shape[0] as usize, shape[1] as usize));
+                } else if !expert {
+                    assert!(!packed, "{arch} {f}: {name} packed");
+                    assert_eq!(dtype_of(&ck, name), dtype_of(&bf16, name), "{name}");
+                }
+            }
+            assert!(
+                !packed_dense.is_empty(),
+                "{arch}: no dense projection packed"
+            );
+            let logits = |src: Arc<dyn WeightSource>| {
+                let model = Model::load_with(src, kernels).unwrap();
+                model
+                    .forward(&mut model.new_session(), &prompt)
+                    .unwrap()
+                    .data
+            };
+            let got = logits(Arc::new(DirSource::open(&dir).unwrap()));
+            let want = logits(Arc::new(Dequantized::new(
+                DirSource::open(&dir).unwrap(),
+                &packed_dense,
+            )));
+            let err = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            println!(
+                "{arch} {f}: {} dense projections packed; logits max abs err vs dequantized f32 {err:.2e} (max |logit| {max:.2})",
+                packed_dense.len()
+            );
+            assert!(err <= 1e-3 * (1.0 + max), "{arch} {f}: {err}");
         }
     }
 }

@@ -44,7 +44,10 @@ pub struct BenchComputeArgs {
 
 pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
     tame_allocator();
-    anyhow::ensure!(a.prompt > 0 && a.decode > 0, "--prompt and --decode must be at least 1");
+    anyhow::ensure!(
+        a.prompt > 0 && a.decode > 0,
+        "--prompt and --decode must be at least 1"
+    );
     let source = SourceArgs {
         model: a.model.clone(),
         threads_per_drive: 4,
@@ -72,10 +75,16 @@ pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
     let timed = |ids: &[u32], n: usize| -> anyhow::Result<(Instant, Vec<Instant>)> {
         let mut times = Vec::with_capacity(n);
         let start = Instant::now();
-        generate(model, &mut model.new_session(), ids, &config(n), &mut |_| {
-            times.push(Instant::now());
-            true
-        })
+        generate(
+            model,
+            &mut model.new_session(),
+            ids,
+            &config(n),
+            &mut |_| {
+                times.push(Instant::now());
+                true
+            },
+        )
         .context("generating")?;
         Ok((start, times))
     };

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
+use deltafin_inference::quantize::ExpertFormat;
 use deltafin_inference::synth::presets::{apply_overrides, preset_config};
 use deltafin_inference::synth::{write_synth, SynthFormat};
 use deltafin_storage::checkpoint_writer::WriteOptions;
@@ -32,6 +33,11 @@ pub struct SynthArgs {
     /// Values are the bf16 synth of the same seed, quantized round-to-nearest.
     #[arg(long, default_value = "bf16", value_name = "FORMAT")]
     pub format: SynthFormat,
+    /// Also store every non-expert projection (attention, shared experts, dense MLPs, latent
+    /// projections) packed: int4, mxfp4 or q8. Routers, norms, embeddings and lm_head stay
+    /// BF16. Needs --format int4|mxfp4|q8 (the routed experts' format).
+    #[arg(long, value_name = "FORMAT")]
+    pub quantize_dense: Option<ExpertFormat>,
     /// Shard size (files are split like Hugging Face checkpoints, with an index).
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub shard_size: u64,
@@ -51,7 +57,12 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
         shard_bytes: a.shard_size,
         force: a.force,
     };
-    let s = write_synth(&a.out, &cfg, a.format, &opts, &Bar::new(a.quiet))
+    let format = match (a.format, a.quantize_dense) {
+        (f, None) => f,
+        (SynthFormat::Experts(experts), Some(dense)) => SynthFormat::Packed { experts, dense },
+        (f, Some(_)) => anyhow::bail!("--quantize-dense does not combine with --format {f}"),
+    };
+    let s = write_synth(&a.out, &cfg, format, &opts, &Bar::new(a.quiet))
         .with_context(|| format!("writing {}", a.out.display()))?;
     let secs = t.elapsed().as_secs_f64();
     if !a.quiet {

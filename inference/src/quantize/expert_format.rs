@@ -126,7 +126,36 @@ impl ExpertFormat {
     /// (INT4 and MXFP4 exactly as compressed-tensors writes them; Q8 in the same shape under
     /// `quant_method: deltafin`, which `deltafin-inference` reads the group size from).
     pub fn quantization_config(self) -> Value {
-        let ignore = expert_only_ignore();
+        self.config_with_ignore(expert_only_ignore())
+    }
+
+    /// The `quantization_config` of a checkpoint whose routed experts are in this format and
+    /// every other projection in `dense` (only routers and `lm_head` ignored); a second config
+    /// group targets the non-expert projections when `dense` differs.
+    pub fn quantization_config_with_dense(self, dense: ExpertFormat) -> Value {
+        let mut q =
+            self.config_with_ignore(json!(["lm_head", "re:.*mlp\\.gate$", "re:.*\\.gate$"]));
+        if dense != self {
+            let d = dense.config_with_ignore(json!([]));
+            if let (Some(groups), Some(g)) = (
+                q.get_mut("config_groups").and_then(Value::as_object_mut),
+                d.get("config_groups")
+                    .and_then(|g| g.get("group_0"))
+                    .cloned(),
+            ) {
+                let mut g = g;
+                g["targets"] = json!([
+                    "re:.*self_attn.*",
+                    "re:.*shared_experts.*",
+                    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"
+                ]);
+                groups.insert("group_1".into(), g);
+            }
+        }
+        q
+    }
+
+    fn config_with_ignore(self, ignore: Value) -> Value {
         match self {
             ExpertFormat::Int4 => json!({
                 "config_groups": {"group_0": {

@@ -40,6 +40,14 @@ pub enum SynthFormat {
     /// Routed experts packed in this format (compressed-tensors for INT4 / MXFP4); the rest
     /// BF16.
     Experts(ExpertFormat),
+    /// Routed experts in `experts` and every other projection (attention, shared experts,
+    /// dense MLPs, latent projections) in `dense`; routers, norms, embeddings and `lm_head`
+    /// stay BF16 (`synth --format F --quantize-dense D`; llama.cpp's Q8_0 / Q4_K_M quantize
+    /// these too).
+    Packed {
+        experts: ExpertFormat,
+        dense: ExpertFormat,
+    },
 }
 
 impl std::str::FromStr for SynthFormat {
@@ -62,6 +70,7 @@ impl std::fmt::Display for SynthFormat {
             SynthFormat::Bf16 => f.write_str("bf16"),
             SynthFormat::Fp8 => f.write_str("fp8"),
             SynthFormat::Experts(e) => e.fmt(f),
+            SynthFormat::Packed { experts, dense } => write!(f, "{experts}+dense-{dense}"),
         }
     }
 }
@@ -74,6 +83,7 @@ impl SynthFormat {
             SynthFormat::Bf16 => return cfg,
             SynthFormat::Fp8 => fp8_quantization_config(),
             SynthFormat::Experts(e) => e.quantization_config(),
+            SynthFormat::Packed { experts, dense } => experts.quantization_config_with_dense(dense),
         };
         // Kimi K3 keeps the text model's quantization_config in text_config.
         let target = if cfg.get("model_type").and_then(Value::as_str) == Some("kimi_k3") {
@@ -88,7 +98,8 @@ impl SynthFormat {
     }
 
     /// Whether the linear weight `name` `[_, cols]` is stored quantized.
-    fn quantizes(self, name: &str, cols: u64, is_expert: &dyn Fn(&str) -> bool) -> bool {
+    /// One-row matrices (K3's attention-residual queries, read as vectors) stay as they are.
+    fn quantizes(self, name: &str, rows: u64, cols: u64, is_expert: &dyn Fn(&str) -> bool) -> bool {
         let Some(prefix) = name.strip_suffix(".weight") else {
             return false;
         };
@@ -96,9 +107,44 @@ impl SynthFormat {
         match self {
             SynthFormat::Bf16 => false,
             SynthFormat::Fp8 => module.contains("_proj"),
-            SynthFormat::Experts(e) => is_expert(name) && e.fits(cols),
+            SynthFormat::Experts(_) | SynthFormat::Packed { .. } => {
+                self.packed_format(name, is_expert)
+                    .is_some_and(|f| f.fits(cols))
+                    && (rows > 1 || is_expert(name))
+            }
         }
     }
+
+    /// The packed format the 2-D weight `name` is stored in (`None`: kept as it is).
+    fn packed_format(self, name: &str, is_expert: &dyn Fn(&str) -> bool) -> Option<ExpertFormat> {
+        match self {
+            SynthFormat::Experts(e) => is_expert(name).then_some(e),
+            SynthFormat::Packed { experts, dense } => {
+                if is_expert(name) {
+                    Some(experts)
+                } else {
+                    is_dense_projection(name).then_some(dense)
+                }
+            }
+            SynthFormat::Bf16 | SynthFormat::Fp8 => None,
+        }
+    }
+}
+
+/// Whether `name` is a non-expert projection `--quantize-dense` packs: a `.weight` of a
+/// linear module other than a router (`mlp.gate`, K3's `gate` with its bias), `lm_head` and
+/// the embeddings, and other than the small per-head tensors of KDA (`A_log`, `dt_bias`,
+/// convolutions are not `.weight`s of linear modules and are 1-D or 3-D anyway).
+pub fn is_dense_projection(name: &str) -> bool {
+    let Some(prefix) = name.strip_suffix(".weight") else {
+        return false;
+    };
+    let module = prefix.rsplit('.').next().unwrap_or("");
+    !(module == "gate"
+        || module == "lm_head"
+        || module.contains("embed")
+        || module.contains("norm")
+        || prefix.contains("conv"))
 }
 
 /// What `synth` wrote.
@@ -112,26 +158,31 @@ pub struct SynthSummary {
 }
 
 /// Replace every weight `format` stores quantized by its packed parts (`Init::Packed`);
-/// returns the new list and the replaced sources.
+/// returns the new list and the replaced sources with their packed format.
 fn quantized_tensors(
     tensors: Vec<PlannedTensor>,
     format: SynthFormat,
     is_expert: &dyn Fn(&str) -> bool,
-) -> (Vec<PlannedTensor>, Vec<PlannedTensor>) {
+) -> (
+    Vec<PlannedTensor>,
+    Vec<(PlannedTensor, Option<ExpertFormat>)>,
+) {
     let mut out = Vec::with_capacity(tensors.len());
     let mut sources = Vec::new();
+    let mut formats = Vec::new();
     for t in tensors {
         let (rows, cols) = match t.spec.shape[..] {
             [r, c] => (r, c),
             _ => (0, 0),
         };
         if !matches!(t.fill, Fill::Linear { .. })
-            || !format.quantizes(&t.spec.name, cols, is_expert)
+            || !format.quantizes(&t.spec.name, rows, cols, is_expert)
         {
             out.push(t);
             continue;
         }
         let prefix = t.spec.name.trim_end_matches(".weight").to_string();
+        let packed = format.packed_format(&t.spec.name, is_expert);
         let parts: Vec<TensorSpec> = match format {
             SynthFormat::Fp8 => vec![
                 TensorSpec::new(format!("{prefix}.weight"), Dtype::F8E4m3, &[rows, cols]),
@@ -144,14 +195,16 @@ fn quantized_tensors(
                     ],
                 ),
             ],
-            SynthFormat::Experts(e) => e
-                .parts(&prefix, rows, cols)
+            SynthFormat::Experts(_) | SynthFormat::Packed { .. } => packed
+                .map(|e| e.parts(&prefix, rows, cols))
+                .unwrap_or_default()
                 .into_iter()
                 .map(|p| TensorSpec::new(p.name, p.dtype, &p.shape))
                 .collect(),
             SynthFormat::Bf16 => Vec::new(),
         };
         let src = sources.len();
+        formats.push(packed);
         for (part, spec) in parts.into_iter().enumerate() {
             out.push(PlannedTensor {
                 spec,
@@ -160,11 +213,16 @@ fn quantized_tensors(
         }
         sources.push(t);
     }
-    (out, sources)
+    (out, sources.into_iter().zip(formats).collect())
 }
 
 /// The quantized parts of `t`, in the order [`quantized_tensors`] lists them.
-fn quantize_source(t: &PlannedTensor, format: SynthFormat, seed: u64) -> Vec<Vec<u8>> {
+fn quantize_source(
+    t: &PlannedTensor,
+    packed: Option<ExpertFormat>,
+    format: SynthFormat,
+    seed: u64,
+) -> Vec<Vec<u8>> {
     let (rows, cols) = match t.spec.shape[..] {
         [r, c] => (r as usize, c as usize),
         _ => (0, 0),
@@ -175,7 +233,9 @@ fn quantize_source(t: &PlannedTensor, format: SynthFormat, seed: u64) -> Vec<Vec
             let q = quantize_fp8_block(&w, rows, cols, FP8_BLOCK);
             vec![q.data, q.scale]
         }
-        SynthFormat::Experts(e) => e.encode(&w, rows, cols).0,
+        SynthFormat::Experts(_) | SynthFormat::Packed { .. } => packed
+            .map(|e| e.encode(&w, rows, cols).0)
+            .unwrap_or_default(),
         SynthFormat::Bf16 => Vec::new(),
     }
 }
@@ -212,7 +272,7 @@ pub fn write_synth(
     let compute = |group: usize| -> deltafin_storage::Result<Vec<Vec<u8>>> {
         Ok(sources
             .get(group)
-            .map(|s| quantize_source(s, format, seed))
+            .map(|(s, packed)| quantize_source(s, *packed, format, seed))
             .unwrap_or_default())
     };
     let s = write_checkpoint(dir, config, tensors, opts, &compute, progress)?;
