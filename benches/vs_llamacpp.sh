@@ -6,8 +6,9 @@
 # llama-quantize). The model: a DeepSeek-V3-shaped synth (hidden 1024, 16 layers, 128 experts
 # top-8, expert width 512: 3.1B parameters), written by `deltafin synth` in each format, and as
 # GGUF by benches/hf_to_gguf.py (bf16, tensors identical to llama.cpp's own converter) then
-# llama-quantize (Q8_0, Q4_K_M; and experts-only variants with the rest BF16, as deltafin keeps
-# it). Decode: tokens/s generating --decode tokens after a 1-token prompt (llama-bench tg);
+# llama-quantize (Q8_0, Q4_K_M; and experts-only variants with the rest BF16). Each GGUF is
+# paired with the deltafin checkpoint quantized the same way: `synth --format F` (experts only)
+# and `synth --format F --quantize-dense F` (every projection). Decode: tokens/s generating --decode tokens after a 1-token prompt (llama-bench tg);
 # prefill: a --prompt-token prompt (llama-bench pp). Both measured the way llama-bench does it:
 # model loaded once, an untimed warm-up run, then timed runs (deltafin: `bench compute`).
 # Medians of --runs, and the median of per-run ratios (engines measured back to back);
@@ -70,6 +71,10 @@ IFS=, read -r -a formats <<< "$FORMATS"
 for f in "${formats[@]}"; do
     d="$work/ds-$f"
     [ -f "$d/config.json" ] || "$bin" synth --out "$d" "${shape[@]}" --format "${synth_fmt[$f]}" --force -q
+    # Every non-expert projection quantized too (synth --quantize-dense), as llama.cpp's
+    # Q8_0 / Q4_K_M quantize them: the like-for-like pair of the full GGUF.
+    [ "$f" = bf16 ] || [ -f "$d-dense/config.json" ] || "$bin" synth --out "$d-dense" "${shape[@]}" \
+        --format "${synth_fmt[$f]}" --quantize-dense "${synth_fmt[$f]}" --force -q
 done
 g16="$work/ds-bf16.gguf"
 [ -f "$g16" ] || { [ -f "$work/ds-bf16/config.json" ] || "$bin" synth --out "$work/ds-bf16" "${shape[@]}" --force -q;
@@ -92,34 +97,38 @@ prompt_ids=$(python3 -c "import random; r=random.Random(1); print(','.join(str(r
 # Format by format, so that each one's files are in the page cache while it is measured (all
 # of them together do not fit this machine's RAM): a warm-up read first, then the runs.
 for f in "${formats[@]}"; do
-    ggufs=("$work/ds-$f.gguf")
-    [ "$f" != bf16 ] && ggufs+=("$work/ds-$f-experts.gguf")
-    [ "$f" = bf16 ] && ggufs=("$g16")
+    # (deltafin model dir, GGUF) pairs: experts-only quantization on both sides, then
+    # everything quantized on both sides.
+    if [ "$f" = bf16 ]; then
+        pairs=("$work/ds-bf16|$g16")
+    else
+        pairs=("$work/ds-$f|$work/ds-$f-experts.gguf" "$work/ds-$f-dense|$work/ds-$f.gguf")
+    fi
+    for pair in "${pairs[@]}"; do
+    d=${pair%%|*}; g=${pair##*|}
     # Both engines' files into the page cache (each engine maps them; "in RAM" means this).
-    cat "$work/ds-$f"/*.safetensors "${ggufs[@]}" > /dev/null
-    "$bin" generate --model "$work/ds-$f" --prompt-ids 5 -n 4 --ignore-eos -q > /dev/null 2>&1
+    cat "$d"/*.safetensors "$g" > /dev/null
     for ((r = 0; r < RUNS; r++)); do
-        for g in "${ggufs[@]}"; do
-            # llama-bench warms up itself (one untimed run) before each test.
-            "$lbin/llama-bench" -m "$g" -t 2 -p "$PROMPT" -n "$DECODE" -r 1 -o jsonl 2>/dev/null |
-                python3 -c "
+        # llama-bench warms up itself (one untimed run) before each test.
+        "$lbin/llama-bench" -m "$g" -t 2 -p "$PROMPT" -n "$DECODE" -r 1 -o jsonl 2>/dev/null |
+            python3 -c "
 import json, sys
 for l in sys.stdin:
     x = json.loads(l)
     kind = 'prefill' if x['n_prompt'] > 0 else 'decode'
-    print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'file': '$(basename "$g")', 'run': $r, 'kind': kind,
+    print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'pair': '$(basename "$g")', 'run': $r, 'kind': kind,
                       'tokens_per_s': x['avg_ts'], 'cpu_info': x.get('cpu_info'),
                       'model_type': x.get('model_type'), 'n_threads': x.get('n_threads')}))" >> "$raw"
-        done
         # deltafin: the same measurement in one process (`bench compute`: load, one untimed
         # warm-up generation, then a fresh session for prefill and one for decode).
-        "$bin" bench compute "$work/ds-$f" --prompt "$PROMPT" --decode "$DECODE" --runs 1 --json 2>/dev/null |
+        "$bin" bench compute "$d" --prompt "$PROMPT" --decode "$DECODE" --runs 1 --json 2>/dev/null |
             tail -1 | python3 -c "
 import json, sys
 x = json.loads(sys.stdin.read())
 for kind, key in (('decode', 'decode_tokens_per_s_median'), ('prefill', 'prefill_tokens_per_s_median')):
-    print(json.dumps({'engine': 'deltafin', 'format': '$f', 'run': $r, 'kind': kind,
-                      'tokens_per_s': x[key], 'kernels': x.get('kernels')}))" >> "$raw"
+    print(json.dumps({'engine': 'deltafin', 'format': '$f', 'pair': '$(basename "$g")', 'dir': '$(basename "$d")',
+                      'run': $r, 'kind': kind, 'tokens_per_s': x[key], 'kernels': x.get('kernels')}))" >> "$raw"
+    done
     done
 done
 BENCH_CMD="benches/vs_llamacpp.sh $ORIG_ARGS" python3 - "$raw" "$repo/benches/results/vs_llamacpp.json" \
@@ -128,27 +137,24 @@ import json, os, sys, statistics, datetime, platform, collections
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 groups = collections.defaultdict(list)
 for x in rows:
-    groups[(x["format"], x["kind"], x["engine"], x.get("file", ""))].append(x["tokens_per_s"])
+    groups[(x["format"], x["kind"], x["pair"], x["engine"])].append(x)
 table = []
 for fmt in ["bf16", "q8", "int4"]:
     for kind in ["decode", "prefill"]:
-        ours = groups.get((fmt, kind, "deltafin", ""))
-        if not ours:
-            continue
-        ours_m = statistics.median(ours)
-        for (f, k, e, file), v in sorted(groups.items()):
-            if (f, k, e) != (fmt, kind, "llama.cpp"):
+        for pair in sorted({k[2] for k in groups if k[:2] == (fmt, kind)}):
+            ours, theirs = groups.get((fmt, kind, pair, "deltafin")), groups.get((fmt, kind, pair, "llama.cpp"))
+            if not ours or not theirs:
                 continue
-            theirs = statistics.median(v)
+            om = statistics.median(x["tokens_per_s"] for x in ours)
+            tm = statistics.median(x["tokens_per_s"] for x in theirs)
             # Paired by run (the two engines measured back to back): this shared host's
             # memory bandwidth drifts between runs more than the differences measured.
-            by_run = lambda e, f2: {x["run"]: x["tokens_per_s"] for x in rows
-                                    if (x["format"], x["kind"], x["engine"], x.get("file", "")) == (fmt, kind, e, f2)}
-            o, t = by_run("deltafin", ""), by_run("llama.cpp", file)
+            o = {x["run"]: x["tokens_per_s"] for x in ours}
+            t = {x["run"]: x["tokens_per_s"] for x in theirs}
             paired = [o[r] / t[r] for r in sorted(o) if r in t]
-            table.append({"format": fmt, "kind": kind, "llama_cpp_file": file,
-                          "deltafin_tokens_per_s": ours_m, "llama_cpp_tokens_per_s": theirs,
-                          "ratio_of_medians": ours_m / theirs,
+            table.append({"format": fmt, "kind": kind, "llama_cpp_file": pair, "deltafin_dir": ours[0]["dir"],
+                          "deltafin_tokens_per_s": om, "llama_cpp_tokens_per_s": tm,
+                          "ratio_of_medians": om / tm,
                           "ratio": statistics.median(paired), "paired_ratios": paired})
 cpu = next((x.get("cpu_info") for x in rows if x.get("cpu_info")), None)
 flags = open("/proc/cpuinfo").read()
@@ -163,7 +169,7 @@ out = {"benchmark": "deltafin vs llama.cpp in RAM, 2 threads, same synthetic mod
        "table": table, "runs": rows}
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for t in table:
-    print(f"{t['format']:5} {t['kind']:7} {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
+    print(f"{t['format']:5} {t['kind']:7} {t['deltafin_dir']:14} vs {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
           f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  paired ratio {t['ratio']:.2f} "
           f"({min(t['paired_ratios']):.2f}-{max(t['paired_ratios']):.2f})")
 PY

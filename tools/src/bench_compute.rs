@@ -10,7 +10,6 @@ use std::time::Instant;
 
 use anyhow::Context;
 use deltafin_inference::generate::DEFAULT_PREFILL_CHUNK;
-use deltafin_inference::run::memory::tame_allocator;
 use deltafin_inference::{generate, GenerateConfig, KernelConfig};
 use deltafin_storage::engine::HashCheck;
 use serde_json::json;
@@ -43,7 +42,6 @@ pub struct BenchComputeArgs {
 }
 
 pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
-    tame_allocator();
     anyhow::ensure!(
         a.prompt > 0 && a.decode > 0,
         "--prompt and --decode must be at least 1"

@@ -14,7 +14,6 @@ use serde_json::json;
 
 use deltafin_inference::generate;
 use deltafin_inference::run::measure_generation;
-use deltafin_inference::run::memory::tame_allocator;
 
 use crate::generate::args::SourceArgs;
 use crate::generate::loaded::load;
@@ -90,7 +89,6 @@ pub fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
-    tame_allocator();
     let source = SourceArgs {
         model: a.layout.clone(),
         threads_per_drive: a.threads_per_drive,

@@ -69,6 +69,8 @@ enum BenchCommand {
 
 fn main() {
     let cli = Cli::parse();
+    // Every command: peak RSS tracks what is live, without mapping each prefill buffer anew.
+    deltafin_inference::run::memory::tame_allocator();
     // The command runs on a rayon worker, so that the model's many parallel kernel calls per
     // token start on a pool thread; from the main thread each call is handed to the pool and
     // waits for a wake-up (benches/results/pool_dispatch.json).

@@ -3,7 +3,6 @@
 use std::io::Write;
 
 use anyhow::{bail, Context};
-use deltafin_inference::run::memory::tame_allocator;
 use deltafin_inference::run::ModelPath;
 use deltafin_inference::{GenerateConfig, SamplerConfig};
 
@@ -17,7 +16,6 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if let Some(p) = &args.spec.save_session {
         crate::util::check_output_file(p, "--save-session")?;
     }
-    tame_allocator();
     // Cheap argument checks before a possibly long load.
     if args.prompt.is_none() && args.prompt_ids.as_ref().is_none_or(|v| v.is_empty()) {
         bail!("give --prompt TEXT or --prompt-ids 1,2,3");
