@@ -3,7 +3,9 @@
 # on the files benches/vs_llamacpp.sh made (run it first). Both run in a cgroup v1 memory
 # group limited to that many bytes (page cache included); deltafin streams the experts from a
 # one-drive layout (a directory on this machine's disk) with --ram-budget at the cap, llama.cpp
-# maps the GGUF (llama-bench tg, mmap). Page cache dropped before each run. Writes
+# maps the GGUF (llama-bench tg, mmap). Page cache dropped before each run. Also the overlap
+# of deltafin's reads and compute: decode time per token over max(I/O time of the bytes it
+# read, at the drive's measured rate; compute time per token in RAM). Writes
 # benches/results/vs_llamacpp_cap.json.
 #
 #   sudo benches/vs_llamacpp_cap.sh [--formats int4,q8] [--cap-percent 40] [--decode 16]
@@ -47,14 +49,29 @@ for f in "${formats[@]}"; do
     rm -rf "$drive"; mkdir -p "$drive"
     "$bin" layout --model "$model" --drive "$drive" --name "ds-$f" --force -q >&2
     drop
+    # Overlap: the drive's time for the bytes a token reads (read as decoding reads them,
+    # `bench io`, hashes checked as generate checks them) and the compute time of a token
+    # in RAM (`bench compute` with the page cache warm, no cap), against the decode time.
+    drop
+    io_gbps=$("$bin" bench io "$drive/ds-$f" --seconds 8 --rounds 2 --hash-check all --no-fio --json 2>/dev/null |
+        tail -1 | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['gb_per_s'])")
+    cat "$model"/*.safetensors > /dev/null
+    compute_tps=$("$bin" bench compute "$model" --prompt 1 --decode "$DECODE" --runs 3 --json 2>/dev/null |
+        tail -1 | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['decode_tokens_per_s_median'])")
+    drop
     in_cap "$bin" generate --model "$drive/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos \
         --ram-budget "$cap" --json -q 2>/dev/null | tail -1 | python3 -c "
 import json, sys
 x = json.loads(sys.stdin.read())
+s = x['decode_s_per_token']
+io_s = x['bytes_read_per_token'] / ($io_gbps * 1e9)
+compute_s = 1.0 / $compute_tps
 print(json.dumps({'engine': 'deltafin', 'format': '$f', 'cap_bytes': $cap, 'model_bytes': $bytes,
-                  'tokens_per_s': 1.0 / x['decode_s_per_token'], 'peak_rss_bytes': x['peak_rss_bytes'],
+                  'tokens_per_s': 1.0 / s, 'peak_rss_bytes': x['peak_rss_bytes'],
                   'bytes_read_per_token': x.get('bytes_read_per_token'),
-                  'decode_io_stall_s': x.get('decode_io_stall_s'), 'expert_cache_hit_rate': x.get('expert_cache_hit_rate')}))" >> "$raw"
+                  'decode_io_stall_s': x.get('decode_io_stall_s'), 'expert_cache_hit_rate': x.get('expert_cache_hit_rate'),
+                  'drive_gb_per_s': $io_gbps, 'io_s_per_token': io_s, 'compute_s_per_token': compute_s,
+                  'decode_s_per_token': s, 'overlap_ratio': s / max(io_s, compute_s)}))" >> "$raw"
     rm -rf "$drive"
     for g in "$work/ds-$f.gguf" "$work/ds-$f-experts.gguf"; do
         [ -f "$g" ] || continue # bf16 has no experts-only variant
@@ -79,13 +96,16 @@ for d in [r for r in rows if r["engine"] == "deltafin"]:
     for l in [r for r in rows if r["engine"] == "llama.cpp" and r["format"] == d["format"]]:
         table.append({"format": d["format"], "llama_cpp_file": l["file"], "cap_bytes": d["cap_bytes"],
                       "deltafin_tokens_per_s": d["tokens_per_s"], "llama_cpp_tokens_per_s": l["tokens_per_s"],
-                      "ratio": d["tokens_per_s"] / l["tokens_per_s"]})
+                      "ratio": d["tokens_per_s"] / l["tokens_per_s"],
+                      "overlap_ratio": d.get("overlap_ratio"), "io_s_per_token": d.get("io_s_per_token"),
+                      "compute_s_per_token": d.get("compute_s_per_token")})
 out = {"benchmark": f"decode with memory capped at {sys.argv[3]}% of the model (cgroup v1), 2 threads",
        "command": os.environ.get("BENCH_CMD"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
        "drive": "one directory on this machine's virtual disk (no throttle)", "table": table, "runs": rows}
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for t in table:
     print(f"{t['format']:5} {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
-          f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  ratio {t['ratio']:.1f}x")
+          f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  ratio {t['ratio']:.1f}x  "
+          f"decode/max(io, compute) {t['overlap_ratio']:.2f} (io {t['io_s_per_token']*1e3:.1f} ms, compute {t['compute_s_per_token']*1e3:.1f} ms)")
 PY
 rm -f "$raw"
