@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::dispatch::{prepare_inputs, rows_task, task_rows};
+use crate::kernels::dispatch::{prepare_inputs, rows_task, task_rows, untranspose};
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::Isa;
 use crate::linear::matrix::WeightMatrix;
@@ -101,12 +101,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
     }
     for (j, tmp) in jobs.iter_mut().zip(&tmps) {
         if j.n > 1 {
-            let rows = j.m.rows();
-            for (r, trow) in tmp.chunks(j.n).enumerate() {
-                for (t, &v) in trow.iter().enumerate() {
-                    j.out[t * rows + r] = v;
-                }
-            }
+            untranspose(tmp, j.n, j.m.rows(), j.out);
         }
     }
 }

@@ -33,6 +33,11 @@ pub fn supports_f32(kind: WeightFormat) -> bool {
     )
 }
 
+/// How far ahead (bytes) the single-row f32 tile prefetches at least: one short row (BF16
+/// experts' 1-2 KiB) ahead was too close for DRAM latency at 2 threads (decode 72 -> 76 tokens/s
+/// at 4 KiB on the 3.1B BF16 synth, benches/vs_llamacpp.sh model; 8 and 16 KiB no better).
+const MIN_PREFETCH_AHEAD: usize = 4096;
+
 /// f32-activation kernels: `out[t] = sum_c w[c] * x[t*cols + c]`.
 macro_rules! f32_tile {
     ($name:ident, $rows_name:ident, $pair_name:ident, $scaled:expr, |$p:ident, $c:ident| $decode:expr) => {
@@ -54,9 +59,9 @@ macro_rules! f32_tile {
         ) {
             let $p = row.as_ptr();
             let xp = x.as_ptr();
-            // Bytes per column; the next row (usually the next one this task reads) is
-            // prefetched at the same position: a hint.
-            let (bpc, ahead) = (row.len() / cols, row.len());
+            // Bytes per column; the same position at least `MIN_PREFETCH_AHEAD` on (the next
+            // rows this task reads) is prefetched: a hint.
+            let (bpc, ahead) = (row.len() / cols, row.len().max(MIN_PREFETCH_AHEAD));
             let mut acc = [[_mm512_setzero_ps(); 2]; N];
             let mut c = 0usize;
             // Two steps per iteration into separate accumulators (four chains per input), so
@@ -1086,12 +1091,14 @@ pub unsafe fn row_i16(
     }
 }
 
-/// Two rows against `n` 16-bit inputs (matrix products): `outs[r][t] = dot(rows[r], x[t])`,
-/// each input's planes loaded once for both rows; each output bit-identical to
-/// [`row_i16`]'s (the tile sums every output in the same order whatever its shape).
+/// Two rows against the `n` 16-bit inputs `t0..t0 + n` of `x` (matrix products):
+/// `outs[r][t] = dot(rows[r], x[t0 + t])`, each input's planes loaded once for both rows; each
+/// output bit-identical to [`row_i16`]'s (the tile sums every output in the same order whatever
+/// its shape).
 ///
 /// # Safety
-/// As for [`row_i16`], for both rows and their f32 block scales; each `outs[r]` holds `n`.
+/// As for [`row_i16`] with `t0 + n` inputs, for both rows and their f32 block scales; each
+/// `outs[r]` holds `n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rows2_i16(
@@ -1100,13 +1107,15 @@ pub unsafe fn rows2_i16(
     scales: [&[f32]; 2],
     x: &I16Inputs,
     cols: usize,
+    t0: usize,
     n: usize,
     outs: [&mut [f32]; 2],
 ) {
     debug_assert!(kind.simd_shape(cols) && rows.iter().all(|r| r.len() == kind.row_len(cols)));
     let blocks = cols / BLOCK;
-    debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols);
-    debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks);
+    let end = t0 + n;
+    debug_assert!(x.hi.len() >= end * cols && x.lo.len() >= end * cols);
+    debug_assert!(x.d.len() >= end * blocks && x.dsums.len() >= end * blocks);
     debug_assert!(scales.iter().all(|s| s.len() >= blocks) && outs.iter().all(|o| o.len() >= n));
     let sc = [BlockScales::F32(scales[0]), BlockScales::F32(scales[1])];
     let [o0, o1] = outs;
@@ -1114,7 +1123,7 @@ pub unsafe fn rows2_i16(
     while t < n {
         // Four inputs at a time, as `row_i16` takes them.
         let k = (n - t).min(4);
-        let xt = I16Slices::of(x, t, k, cols);
+        let xt = I16Slices::of(x, t0 + t, k, cols);
         let mut tmp = [0f32; 8];
         macro_rules! go {
             ($c:ty) => {
