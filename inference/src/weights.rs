@@ -213,6 +213,16 @@ impl DirSource {
         Self::from_checkpoint(ckpt)
     }
 
+    /// Bytes of the checkpoint's shards.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.ckpt.mapped_bytes()
+    }
+
+    /// Map the whole checkpoint in now ([`Checkpoint::populate`]).
+    pub fn populate(&self) {
+        self.ckpt.populate()
+    }
+
     pub fn from_checkpoint(ckpt: Checkpoint) -> Result<DirSource> {
         let naming = crate::family::expert_naming(&ckpt.config)?;
         let experts = expert_sources(&ckpt, &naming)?

@@ -132,6 +132,22 @@ impl Checkpoint {
     }
 
     /// Bytes `offset..offset+len` of shard `file` (bounds were validated at open).
+    /// Bytes of all shards together.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.maps.iter().map(|m| m.len() as u64).sum()
+    }
+
+    /// Map every shard's pages in now (`MADV_POPULATE_READ`), reading what the page cache does
+    /// not hold, so the forward pass takes no page faults on first touching a weight. Best
+    /// effort: a kernel without it (before Linux 5.14) or a failure leaves the lazy mapping,
+    /// which still works.
+    pub fn populate(&self) {
+        #[cfg(target_os = "linux")]
+        for m in &self.maps {
+            let _ = m.advise(memmap2::Advice::PopulateRead);
+        }
+    }
+
     pub fn slice(&self, file: usize, offset: u64, len: u64) -> &[u8] {
         &self.maps[file][offset as usize..(offset + len) as usize]
     }

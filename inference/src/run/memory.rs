@@ -38,8 +38,8 @@ pub fn peak_rss_bytes() -> Option<u64> {
     proc_status_bytes("VmHWM")
 }
 
-/// Half of the memory available at start (`MemAvailable`), or 4 GiB if unknown.
-pub fn default_ram_budget() -> u64 {
+/// Memory available now (`MemAvailable`: free plus reclaimable page cache).
+pub fn available_bytes() -> Option<u64> {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
@@ -48,6 +48,10 @@ pub fn default_ram_budget() -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|v| v.parse::<u64>().ok())
         })
-        .map(|kb| kb.saturating_mul(1024) / 2)
-        .unwrap_or(4 << 30)
+        .map(|kb| kb.saturating_mul(1024))
+}
+
+/// Half of the memory available at start (`MemAvailable`), or 4 GiB if unknown.
+pub fn default_ram_budget() -> u64 {
+    available_bytes().map(|b| b / 2).unwrap_or(4 << 30)
 }
