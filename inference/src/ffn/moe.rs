@@ -98,6 +98,11 @@ impl FeedForward for MoeFfn {
         // does not depend on the order in which experts arrive.
         let mut slots = vec![0f32; n * top_k * hd];
         let act: &dyn Activation = &*self.act;
+        // The shared expert rides along with the first group (biases: computed on its own).
+        let fuse_shared = self.shared_experts.as_ref().filter(|m| {
+            !m.gate_proj.has_bias() && !m.up_proj.has_bias() && !m.down_proj.has_bias()
+        });
+        let mut shared_out: Option<Vec<f32>> = None;
         // Every position in order: the experts can read `x` itself (and share its prepared
         // form) instead of a gathered copy.
         ctx.source
@@ -142,7 +147,16 @@ impl FeedForward for MoeFfn {
                         }
                     })
                     .collect();
-                let ys = self.experts.forward_group(group, layer, act, &inputs)?;
+                let shared_job = match (fuse_shared, &shared_out) {
+                    (Some(mlp), None) => Some((mlp, full, n)),
+                    _ => None,
+                };
+                let (ys, s) = self
+                    .experts
+                    .forward_group_with(group, layer, act, &inputs, shared_job)?;
+                if s.is_some() {
+                    shared_out = s;
+                }
                 for ((e, _), ys) in group.iter().zip(&ys) {
                     for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
                         let w = routes[t].weights[slot];
@@ -177,7 +191,10 @@ impl FeedForward for MoeFfn {
             out = l.up.forward(&out, n);
         }
         if let Some(shared) = &self.shared_experts {
-            let s = shared.apply(full, n);
+            let s = match shared_out {
+                Some(s) => s,
+                None => shared.apply(full, n),
+            };
             for (o, v) in out.iter_mut().zip(&s) {
                 *o += v;
             }
@@ -435,7 +452,35 @@ impl RoutedExperts {
         act: &dyn Activation,
         inputs: &[(&[f32], usize)],
     ) -> Result<Vec<Vec<f32>>> {
+        Ok(self.forward_group_with(group, layer, act, inputs, None)?.0)
+    }
+
+    /// [`RoutedExperts::forward_group`], with the layer's shared expert (on its own inputs
+    /// `x` `[n, hidden]`) computed in the same two passes: its gate and up beside the experts'
+    /// gate and up, its down beside theirs (one hand-out to the threads fewer per pass each;
+    /// decode runs some 150 passes per token). Its output equals [`DenseMlp::apply`]'s.
+    pub fn forward_group_with(
+        &self,
+        group: &[(usize, ExpertView<'_>)],
+        layer: usize,
+        act: &dyn Activation,
+        inputs: &[(&[f32], usize)],
+        shared: Option<(&DenseMlp, &[f32], usize)>,
+    ) -> Result<(Vec<Vec<f32>>, Option<Vec<f32>>)> {
         let (hd, it) = (self.hidden, self.intermediate);
+        let shared_views = shared.map(|(mlp, _, _)| {
+            (
+                mlp.gate_proj.view(),
+                mlp.up_proj.view(),
+                mlp.down_proj.view(),
+            )
+        });
+        let mut shared_gu: Option<(Vec<f32>, Vec<f32>)> = shared.map(|(mlp, _, n)| {
+            (
+                vec![0f32; n * mlp.gate_proj.rows()],
+                vec![0f32; n * mlp.up_proj.rows()],
+            )
+        });
         let mut gate_up: Vec<Vec<WeightMatrix<'_>>> = Vec::with_capacity(group.len());
         let mut downs: Vec<WeightMatrix<'_>> = Vec::with_capacity(group.len());
         for (e, view) in group {
@@ -461,8 +506,35 @@ impl RoutedExperts {
                     jobs.push(MatmulJob { m: w, x, n: m, out });
                 }
             }
+            if let (Some((g, u, _)), Some((_, x, n)), Some((go, uo))) =
+                (&shared_views, shared, shared_gu.as_mut())
+            {
+                jobs.push(MatmulJob {
+                    m: g,
+                    x,
+                    n,
+                    out: go,
+                });
+                jobs.push(MatmulJob {
+                    m: u,
+                    x,
+                    n,
+                    out: uo,
+                });
+            }
             matmul_jobs(&mut jobs);
         }
+        let shared_h: Option<Vec<f32>> = match (shared, &shared_gu) {
+            (Some((mlp, _, _)), Some((g, u))) => Some(
+                g.iter()
+                    .zip(u)
+                    .map(|(&g, &u)| mlp.act.gated(g, u))
+                    .collect(),
+            ),
+            _ => None,
+        };
+        let mut shared_out: Option<Vec<f32>> =
+            shared.map(|(mlp, _, n)| vec![0f32; n * mlp.down_proj.rows()]);
         let hs: Vec<Vec<f32>> = gu_out
             .iter()
             .zip(inputs)
@@ -501,8 +573,13 @@ impl RoutedExperts {
                     out,
                 })
                 .collect();
+            if let (Some((_, _, d)), Some((_, _, n)), Some(h), Some(out)) =
+                (&shared_views, shared, &shared_h, shared_out.as_mut())
+            {
+                jobs.push(MatmulJob { m: d, x: h, n, out });
+            }
             matmul_jobs(&mut jobs);
         }
-        Ok(ys)
+        Ok((ys, shared_out))
     }
 }

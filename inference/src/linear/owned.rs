@@ -100,6 +100,9 @@ impl Linear {
     pub fn rows(&self) -> usize {
         self.rows
     }
+    pub fn has_bias(&self) -> bool {
+        self.bias.is_some()
+    }
     pub fn cols(&self) -> usize {
         self.cols
     }
