@@ -252,6 +252,9 @@ struct Template {
     down: MatrixSpec,
 }
 
+/// Each expert's output of a group, and the shared expert's when it rode along.
+pub type GroupOutputs = (Vec<Vec<f32>>, Option<Vec<f32>>);
+
 /// The routed experts of one MoE layer (shapes, names, how their matrices are stored).
 #[derive(Debug)]
 pub struct RoutedExperts {
@@ -466,7 +469,7 @@ impl RoutedExperts {
         act: &dyn Activation,
         inputs: &[(&[f32], usize)],
         shared: Option<(&DenseMlp, &[f32], usize)>,
-    ) -> Result<(Vec<Vec<f32>>, Option<Vec<f32>>)> {
+    ) -> Result<GroupOutputs> {
         let (hd, it) = (self.hidden, self.intermediate);
         let shared_views = shared.map(|(mlp, _, _)| {
             (
