@@ -33,7 +33,7 @@ pub fn supports_f32(kind: WeightFormat) -> bool {
     )
 }
 
-/// How far ahead (bytes) the single-row f32 tile prefetches at least: one short row (BF16
+/// How far ahead (bytes) the tiles prefetch at least: one short row (BF16
 /// experts' 1-2 KiB) ahead was too close for DRAM latency at 2 threads (decode 72 -> 76 tokens/s
 /// at 4 KiB on the 3.1B BF16 synth, benches/vs_llamacpp.sh model; 8 and 16 KiB no better).
 const MIN_PREFETCH_AHEAD: usize = 4096;
@@ -145,7 +145,9 @@ macro_rules! f32_tile {
                         for (r, gr) in $g.iter_mut().enumerate() {
                             let $p = rows[r].as_ptr();
                             _mm_prefetch::<_MM_HINT_T0>(
-                                $p.wrapping_add(c * bpc + 2 * rows[0].len()) as *const i8,
+                                $p.wrapping_add(
+                                    c * bpc + (2 * rows[0].len()).max(MIN_PREFETCH_AHEAD),
+                                ) as *const i8,
                             );
                             let w: [__m512; 2] = $decode;
                             for (t, g) in gr.iter_mut().enumerate() {
@@ -792,8 +794,9 @@ unsafe fn i16_tile<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
     let blocks = cols / BLOCK;
     // Prefetch the same position `R` rows on (the next tile's rows, when rows are consecutive;
     // a hint only, so past the matrix it is harmless): the hardware prefetcher does not run
-    // far enough ahead of `R` interleaved streams. Scales likewise, `R` rows of scales on.
-    let ahead = R * rows[0].len();
+    // far enough ahead of `R` interleaved streams (at least `MIN_PREFETCH_AHEAD`). Scales
+    // likewise, `R` rows of scales on.
+    let ahead = (R * rows[0].len()).max(MIN_PREFETCH_AHEAD);
     let (hp, lp) = (x.hi[..N * cols].as_ptr(), x.lo[..N * cols].as_ptr());
     let (d, dsums) = (&x.d[..N * blocks], &x.dsums[..N * blocks]);
     // Lanes 4j..4j+4 take lane j (plus 4q for the quad's place in its group).
