@@ -132,7 +132,14 @@ fn qwen3_moe_a_matches_transformers() {
 #[test]
 fn every_instruction_set_matches_in_one_process() {
     let mut done = Vec::new();
-    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+    for isa in [
+        Isa::Scalar,
+        Isa::Avx2,
+        Isa::AvxVnni,
+        Isa::Avx512Bw,
+        Isa::Avx512,
+        Isa::Neon,
+    ] {
         let k = KernelConfig::with_isa(isa);
         if k.isa != isa {
             continue; // not on this machine

@@ -194,10 +194,16 @@ fn run(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, act: Act) -> Vec<f32
 }
 
 fn simd_isas() -> Vec<Isa> {
-    [Isa::Avx512, Isa::AvxVnni, Isa::Avx2, Isa::Neon]
-        .into_iter()
-        .filter(|i| i.available())
-        .collect()
+    [
+        Isa::Avx512,
+        Isa::Avx512Bw,
+        Isa::AvxVnni,
+        Isa::Avx2,
+        Isa::Neon,
+    ]
+    .into_iter()
+    .filter(|i| i.available())
+    .collect()
 }
 
 #[test]
@@ -315,7 +321,8 @@ fn matvec_equals_matmul_row() {
                     // f32 rounding there.
                     let strict = cols <= 4096
                         || isa == Isa::Scalar
-                        || (isa == Isa::Avx512 && (!integer(name) || act == Act::I16));
+                        || (matches!(isa, Isa::Avx512 | Isa::Avx512Bw)
+                            && (!integer(name) || act == Act::I16));
                     for t in 0..n {
                         let one = run(isa, &m, &x[t * cols..(t + 1) * cols], 1, act);
                         let row = &all[t * 13..(t + 1) * 13];
@@ -496,7 +503,14 @@ fn a_matrix_runs_the_kernels_it_carries() {
     )
     .unwrap();
     let mut outs = Vec::new();
-    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+    for isa in [
+        Isa::Scalar,
+        Isa::Avx2,
+        Isa::AvxVnni,
+        Isa::Avx512Bw,
+        Isa::Avx512,
+        Isa::Neon,
+    ] {
         let k = KernelConfig::with_isa(isa);
         if k.isa != isa {
             continue;
@@ -557,6 +571,32 @@ fn matmul_jobs_equal_separate_calls() {
             let mut alone = vec![0f32; n * v.rows()];
             kernels::matmul(v, x, n, &mut alone);
             assert_eq!(out, &alone, "{isa:?} job {i}");
+        }
+    }
+}
+
+/// AVX-512 without VNNI makes `vpdpbusd`'s integers from `vpmaddubsw` / `vpmaddwd`: every
+/// 16-bit-path output equals the VNNI kernels' bit for bit (matrix-vector and matrix products,
+/// every integer format, short and long rows, Q8's codes up to 255 included). Runs where both
+/// are available (an AVX-512 VNNI machine runs the other path too).
+#[test]
+fn avx512_without_vnni_equals_vnni() {
+    if !(Isa::Avx512.available() && Isa::Avx512Bw.available()) {
+        eprintln!("skipped: needs AVX-512 VNNI");
+        return;
+    }
+    for &name in FORMATS.iter().filter(|n| integer(n)) {
+        // 34 and 33 blocks: tails of a pair and of a single block after the runs of four.
+        let odd = if name == "int4g64" { 1088 } else { 1056 };
+        for cols in [256usize, 1088, odd, 4608] {
+            let mat = make(name, 19, cols, 3);
+            let m = mat.view();
+            for n in [1usize, 2, 5, 9] {
+                let x = inputs(n, cols, 8);
+                let vnni = run(Isa::Avx512, &m, &x, n, Act::I16);
+                let bw = run(Isa::Avx512Bw, &m, &x, n, Act::I16);
+                assert_eq!(vnni, bw, "{name} cols={cols} n={n}");
+            }
         }
     }
 }

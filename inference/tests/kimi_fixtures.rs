@@ -302,7 +302,14 @@ fn kimi_k3_mxfp4_matches_on_every_instruction_set() {
     let name = "kimi_k3_mxfp4";
     let r = Reference::open(&fixture_dir(name).join("reference.safetensors"));
     let mut done = Vec::new();
-    for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+    for isa in [
+        Isa::Scalar,
+        Isa::Avx2,
+        Isa::AvxVnni,
+        Isa::Avx512Bw,
+        Isa::Avx512,
+        Isa::Neon,
+    ] {
         let k = KernelConfig::with_isa(isa);
         if k.isa != isa {
             continue;

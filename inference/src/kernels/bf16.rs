@@ -10,7 +10,7 @@ use crate::kernels::x86_avx512;
 pub(crate) fn bf16_to_f32(isa: Isa, bytes: &[u8], out: &mut [f32]) {
     assert!(bytes.len() >= 2 * out.len(), "bf16 bytes for every output");
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && isa.available() {
+    if isa.has_avx512() && isa.available() {
         // SAFETY: AVX-512 F/BW were detected (`available`); `bytes` holds two bytes per
         // output (asserted above).
         unsafe { x86_avx512::bf16_to_f32(bytes, out) };

@@ -33,9 +33,9 @@ fn row_dot(
         Inputs::F32(x) => {
             if simd {
                 #[cfg(target_arch = "x86_64")]
-                if isa == Isa::Avx512 && x86_avx512::supports_f32(kind) {
-                    // SAFETY: `Isa::Avx512` is only selected when `available()` saw AVX-512
-                    // F/BW/VL/VNNI, AVX2, FMA and F16C; the slice lengths are the ones
+                if isa.has_avx512() && x86_avx512::supports_f32(kind) {
+                    // SAFETY: `Isa::Avx512` / `Avx512Bw` are only selected when `available()` saw
+                    // AVX-512 F/BW/VL, AVX2, FMA and F16C; the slice lengths are the ones
                     // `x86_avx512::row_f32` documents, checked by `matmul`.
                     unsafe { x86_avx512::row_f32(kind, row, scales, x, cols, n, out) };
                     return;
@@ -70,11 +70,12 @@ fn row_dot(
         }
         Inputs::I16(x) => {
             #[cfg(target_arch = "x86_64")]
-            if simd && isa == Isa::Avx512 {
-                // SAFETY: as above; `x` holds `n*cols` codes per plane and `n*cols/32` scales
-                // and sums, checked by `matmul`.
+            if simd && isa.has_avx512() {
+                // SAFETY: as above (VNNI only for `Isa::Avx512`); `x` holds `n*cols` codes per
+                // plane and `n*cols/32` scales and sums, checked by `matmul`.
                 unsafe {
                     x86_avx512::row_i16(
+                        isa == Isa::Avx512,
                         kind,
                         row,
                         x86_avx512::BlockScales::F32(scales),
@@ -226,7 +227,7 @@ pub(crate) fn prepare_inputs<'x>(
         _ => {}
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {
+    if isa.has_avx512() && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {
         *slot = x86_avx512::bf16_input_order(x);
         return Inputs::F32(slot);
     }
@@ -279,7 +280,7 @@ pub(crate) fn rows_task(
     // for FP8 on AVX-512, whose decode leaves fewer spare loads (22.3 vs 19.9 GiB/s at
     // 7168x2048). The AVX-512 tiles prefetch the next tile's rows in software.
     #[cfg(target_arch = "x86_64")]
-    if n == 1 && isa == Isa::Avx512 && kind.simd_shape(cols) && group == BLOCK {
+    if n == 1 && isa.has_avx512() && kind.simd_shape(cols) && group == BLOCK {
         if let Inputs::I16(xq) = xin {
             // Eight rows at a time, then four, share each input load. The tiles read the
             // matrix's scale bytes themselves: a separate conversion pass per task stalled
@@ -297,13 +298,14 @@ pub(crate) fn rows_task(
                             let i = first + k;
                             x86_avx512::BlockScales::Raw(&sb[i * per_row..(i + 1) * per_row], st)
                         });
-                        // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2 and FMA
+                        // SAFETY: `Isa::Avx512` / `Avx512Bw` imply AVX-512 F/BW/VL (VNNI: `Avx512` only), AVX2 and FMA
                         // were detected; `simd_shape` holds; each row is `row_bytes(cols)`
                         // long, each scale slice holds the row's `cols / 32` block scales
                         // (group 32) in the matrix's type, `xq` one input of `cols`,
                         // `o[first..first + R]` the outputs.
                         unsafe {
                             x86_avx512::rows_i16::<$r>(
+                                isa == Isa::Avx512,
                                 kind,
                                 rows,
                                 sc,
@@ -333,7 +335,7 @@ pub(crate) fn rows_task(
     #[cfg(target_arch = "x86_64")]
     if n == 1
         && (cols * 4 > 16 << 10
-            || (isa == Isa::Avx512 && matches!(kind, WeightFormat::Fp8Block { .. })))
+            || (isa.has_avx512() && matches!(kind, WeightFormat::Fp8Block { .. })))
         && isa.has_avx2()
         && kind.simd_shape(cols)
     {
@@ -348,8 +350,8 @@ pub(crate) fn rows_task(
                 let rows4 = [row(0), row(1), row(2), row(3)];
                 let sc4 = [sc(0), sc(1), sc(2), sc(3)];
                 let o4 = &mut o[first..first + 4];
-                if isa == Isa::Avx512 && x86_avx512::supports_f32(kind) {
-                    // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2, FMA and
+                if isa.has_avx512() && x86_avx512::supports_f32(kind) {
+                    // SAFETY: `Isa::Avx512` / `Avx512Bw` imply AVX-512 F/BW/VL (VNNI: `Avx512` only), AVX2, FMA and
                     // F16C were detected; the slices are as for `x86::rows4_f32` below.
                     unsafe { x86_avx512::rows4_f32(kind, rows4, sc4, xf, cols, o4) };
                 } else {
@@ -368,7 +370,7 @@ pub(crate) fn rows_task(
     // 128 KiB of inputs streamed from L2 for every pair of rows: 68 GMAC/s against 94 at 8
     // inputs, BF16 2048x1024); the task's rows are read once per chunk, from L2.
     #[cfg(target_arch = "x86_64")]
-    if n > 1 && isa == Isa::Avx512 && kind.simd_shape(cols) {
+    if n > 1 && isa.has_avx512() && kind.simd_shape(cols) {
         let f32_path = x86_avx512::supports_f32(kind) && matches!(xin, Inputs::F32(_));
         let i16_path = kind.integer() && matches!(xin, Inputs::I16(_));
         if f32_path || i16_path {
@@ -396,7 +398,7 @@ pub(crate) fn rows_task(
                     let (a, b) = o[p * n..(p + 2) * n].split_at_mut(n);
                     let (a, b) = (&mut a[t0..t0 + nn], &mut b[t0..t0 + nn]);
                     match xin {
-                        // SAFETY: `Isa::Avx512` implies AVX-512 F/BW/VL/VNNI, AVX2, FMA and
+                        // SAFETY: `Isa::Avx512` / `Avx512Bw` imply AVX-512 F/BW/VL (VNNI: `Avx512` only), AVX2, FMA and
                         // F16C were detected; `supports_f32` and `simd_shape` hold; each row is
                         // `row_bytes(cols)` long with its scales, the slice of `xf` holds `nn *
                         // cols` (`xf` holds `n * cols`, checked by `matmul`) and `a`, `b` `nn`
@@ -416,7 +418,17 @@ pub(crate) fn rows_task(
                         // row's `cols / 32` block scales as f32 (expanded above), `xq` holds
                         // `n >= t0 + nn` inputs.
                         Inputs::I16(xq) => unsafe {
-                            x86_avx512::rows2_i16(kind, rows2, sc2, xq, cols, t0, nn, [a, b])
+                            x86_avx512::rows2_i16(
+                                isa == Isa::Avx512,
+                                kind,
+                                rows2,
+                                sc2,
+                                xq,
+                                cols,
+                                t0,
+                                nn,
+                                [a, b],
+                            )
                         },
                         Inputs::I8 { .. } => unreachable!("f32_path or i16_path"),
                     }

@@ -15,6 +15,10 @@ pub enum Isa {
     /// [`Isa::Avx2`] plus AVX-VNNI (Alder Lake and later, Zen 5): the AVX2 kernels with
     /// `vpdpbusd` for the 16-bit-activation path.
     AvxVnni,
+    /// x86_64 AVX-512 F/BW/VL without VNNI on top of [`Isa::Avx2`] (Skylake-SP and other
+    /// Intel CPUs with AVX-512 but no VNNI): the AVX-512 kernels, the 16-bit path's `vpdpbusd`
+    /// made of `vpmaddubsw` / `vpmaddwd` (the same integers).
+    Avx512Bw,
     /// x86_64 AVX-512 F/BW/VL/VNNI on top of [`Isa::Avx2`].
     Avx512,
     /// aarch64 Advanced SIMD.
@@ -35,13 +39,14 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::AvxVnni => Isa::Avx2.available() && is_x86_feature_detected!("avxvnni"),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
+            Isa::Avx512Bw => {
                 Isa::Avx2.available()
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
-                    && is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => Isa::Avx512Bw.available() && is_x86_feature_detected!("avx512vnni"),
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
@@ -51,41 +56,55 @@ impl Isa {
 
     /// The best instruction set this machine runs (no cap).
     pub fn best() -> Isa {
-        [Isa::Avx512, Isa::AvxVnni, Isa::Avx2, Isa::Neon]
-            .into_iter()
-            .find(|i| i.available())
-            .unwrap_or(Isa::Scalar)
+        [
+            Isa::Avx512,
+            Isa::Avx512Bw,
+            Isa::AvxVnni,
+            Isa::Avx2,
+            Isa::Neon,
+        ]
+        .into_iter()
+        .find(|i| i.available())
+        .unwrap_or(Isa::Scalar)
     }
 
     /// The best available instruction set no higher than `cap` (the x86 sets in the order
-    /// AVX2 < AVX-VNNI < AVX-512; `Scalar` caps everything).
+    /// AVX2 < AVX-VNNI < AVX-512 without VNNI < AVX-512; `Scalar` caps everything).
     pub fn capped(cap: Isa) -> Isa {
         let rank = |i: Isa| match i {
             Isa::Scalar => 0,
             Isa::Avx2 => 1,
             Isa::AvxVnni => 2,
-            Isa::Avx512 => 3,
+            Isa::Avx512Bw => 3,
+            Isa::Avx512 => 4,
             Isa::Neon => 1,
         };
-        [Isa::Avx512, Isa::AvxVnni, Isa::Avx2, Isa::Neon]
-            .into_iter()
-            .filter(|&i| cap != Isa::Scalar && rank(i) <= rank(cap))
-            .find(|i| i.available())
-            .unwrap_or(Isa::Scalar)
+        [
+            Isa::Avx512,
+            Isa::Avx512Bw,
+            Isa::AvxVnni,
+            Isa::Avx2,
+            Isa::Neon,
+        ]
+        .into_iter()
+        .filter(|&i| cap != Isa::Scalar && rank(i) <= rank(cap))
+        .find(|i| i.available())
+        .unwrap_or(Isa::Scalar)
     }
 
     /// The instruction set [`KernelConfig::from_env`] picks: the best available, capped by
-    /// `DELTAFIN_KERNELS=scalar|avx2|avxvnni`.
+    /// `DELTAFIN_KERNELS=scalar|avx2|avxvnni|avx512bw`.
     pub fn detect() -> Isa {
         KernelConfig::from_env().isa
     }
 
-    /// Parse `scalar`, `avx2`, `avxvnni`, `avx512` or `neon`.
+    /// Parse `scalar`, `avx2`, `avxvnni`, `avx512bw`, `avx512` or `neon`.
     pub fn parse(s: &str) -> Option<Isa> {
         Some(match s {
             "scalar" => Isa::Scalar,
             "avx2" => Isa::Avx2,
             "avxvnni" => Isa::AvxVnni,
+            "avx512bw" => Isa::Avx512Bw,
             "avx512" => Isa::Avx512,
             "neon" => Isa::Neon,
             _ => return None,
@@ -95,7 +114,12 @@ impl Isa {
     /// Whether the AVX2 kernels run on this ISA (AVX-512 machines run them too).
     #[cfg(target_arch = "x86_64")]
     pub(crate) fn has_avx2(self) -> bool {
-        matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512)
+        matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Bw | Isa::Avx512)
+    }
+
+    /// Whether the AVX-512 kernels run on this ISA (with or without VNNI).
+    pub(crate) fn has_avx512(self) -> bool {
+        matches!(self, Isa::Avx512Bw | Isa::Avx512)
     }
 }
 
@@ -169,7 +193,10 @@ impl KernelConfig {
     pub fn act(&self, format: WeightFormat) -> Act {
         if !self.f32_activations
             && format.integer()
-            && matches!(self.isa, Isa::Avx512 | Isa::AvxVnni | Isa::Avx2)
+            && matches!(
+                self.isa,
+                Isa::Avx512 | Isa::Avx512Bw | Isa::AvxVnni | Isa::Avx2
+            )
         {
             Act::I16
         } else {
@@ -185,7 +212,13 @@ mod tests {
     #[test]
     fn caps_never_exceed_what_runs() {
         assert_eq!(Isa::capped(Isa::Scalar), Isa::Scalar);
-        for cap in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+        for cap in [
+            Isa::Avx2,
+            Isa::AvxVnni,
+            Isa::Avx512Bw,
+            Isa::Avx512,
+            Isa::Neon,
+        ] {
             let got = Isa::capped(cap);
             assert!(got.available());
         }

@@ -29,7 +29,9 @@
 //!
 //! [`Isa::Avx512`] (AVX-512 F/BW/VL/VNNI) has its own kernels for the f32 path of the 16-bit and
 //! FP8 formats and for [`Act::I16`]; for the rest it runs the AVX2 kernels (an AVX-512 machine
-//! has AVX2).
+//! has AVX2). [`Isa::Avx512Bw`] (AVX-512 without VNNI: Skylake-SP and the like) runs the same
+//! kernels, the 16-bit tiles compiled a second time without VNNI with `vpdpbusd`'s integers
+//! made of `vpmaddubsw` / `vpmaddwd` (bit-identical outputs).
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;

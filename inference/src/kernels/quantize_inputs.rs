@@ -50,8 +50,8 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
         let base = row * cols + i16_slot(kind, cols, bi * BLOCK);
         let r = &runs[usize::from(bi >= quads * 4)];
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 {
-            // SAFETY: `Isa::Avx512` means AVX-512 F/BW/VL were detected; `xb` is one block
+        if isa.has_avx512() {
+            // SAFETY: `Isa::Avx512` / `Avx512Bw` mean AVX-512 F/BW/VL were detected; `xb` is one block
             // and both runs of 16 slots from `base` lie inside `out.hi` / `out.lo` (the
             // block's own slots).
             let (d, dsum) = unsafe {
@@ -153,7 +153,13 @@ mod tests {
                     *v = if k == 0 { 127.0 } else { k as f32 + 0.5 };
                 }
                 let want = quantize_inputs_i16(Isa::Scalar, kind, &x, cols);
-                for isa in [Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+                for isa in [
+                    Isa::Avx2,
+                    Isa::AvxVnni,
+                    Isa::Avx512Bw,
+                    Isa::Avx512,
+                    Isa::Neon,
+                ] {
                     if !isa.available() {
                         continue;
                     }

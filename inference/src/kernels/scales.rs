@@ -41,8 +41,8 @@ fn scales_chunk_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>
     out.resize(start + count, 0.0);
     let out = &mut out[start..];
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && matches!(st, ScaleType::E8m0 | ScaleType::Bf16) {
-        // SAFETY: `Isa::Avx512` means AVX-512 F/BW were detected; `out` holds exactly one
+    if isa.has_avx512() && matches!(st, ScaleType::E8m0 | ScaleType::Bf16) {
+        // SAFETY: `Isa::Avx512` / `Avx512Bw` mean AVX-512 F/BW were detected; `out` holds exactly one
         // value per scale in `bytes`.
         unsafe {
             match st {
@@ -157,7 +157,14 @@ mod tests {
                 bits.to_le_bytes()
             })
             .collect();
-        for isa in [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512, Isa::Neon] {
+        for isa in [
+            Isa::Scalar,
+            Isa::Avx2,
+            Isa::AvxVnni,
+            Isa::Avx512Bw,
+            Isa::Avx512,
+            Isa::Neon,
+        ] {
             if !isa.available() {
                 continue;
             }

@@ -769,6 +769,75 @@ where
     M::try_from((1u64 << n) - 1).expect("mask wide enough")
 }
 
+/// `vpdpbusd` (each 32-bit lane plus the four products of its unsigned bytes of `a` and signed
+/// bytes of `b`) as the 16-bit tiles take it: the instruction itself (AVX-512 VNNI), or the same
+/// exact integers from AVX-512 BW (Skylake-SP and other AVX-512 CPUs without VNNI).
+trait Dpbusd {
+    /// # Safety
+    /// The instruction set of the implementation available; `a`'s bytes at most `C`'s largest
+    /// code (`2 * C::OFFSET`).
+    unsafe fn dp<C: Codes>(acc: __m512i, a: __m512i, b: __m512i) -> __m512i;
+    /// # Safety
+    /// As for [`Dpbusd::dp`], plus AVX-512 VL.
+    unsafe fn dp256<C: Codes>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+}
+
+struct Vnni;
+impl Dpbusd for Vnni {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn dp<C: Codes>(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+        _mm512_dpbusd_epi32(acc, a, b)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn dp256<C: Codes>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, a, b)
+    }
+}
+
+/// Without VNNI: codes below 128 (the 4-bit formats) meet the inputs in `vpmaddubsw`, whose
+/// 16-bit pair sums cannot saturate then (at most 2 * 127 * 128), and `vpmaddwd` by ones;
+/// Q8's unsigned codes (to 255) are widened to 16 bits first, even and odd bytes apart.
+struct Bw;
+impl Dpbusd for Bw {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn dp<C: Codes>(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+        let p = if 2 * C::OFFSET < 128 {
+            _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1))
+        } else {
+            let lo = _mm512_set1_epi16(0xff);
+            let ae = _mm512_and_si512(a, lo);
+            let ao = _mm512_srli_epi16(a, 8);
+            let be = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8);
+            let bo = _mm512_srai_epi16(b, 8);
+            _mm512_add_epi32(_mm512_madd_epi16(ae, be), _mm512_madd_epi16(ao, bo))
+        };
+        _mm512_add_epi32(acc, p)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn dp256<C: Codes>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        let p = if 2 * C::OFFSET < 128 {
+            _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1))
+        } else {
+            let lo = _mm256_set1_epi16(0xff);
+            let ae = _mm256_and_si256(a, lo);
+            let ao = _mm256_srli_epi16(a, 8);
+            let be = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+            let bo = _mm256_srai_epi16(b, 8);
+            _mm256_add_epi32(_mm256_madd_epi16(ae, be), _mm256_madd_epi16(ao, bo))
+        };
+        _mm256_add_epi32(acc, p)
+    }
+}
+
+/// The 16-bit tile, once per [`Dpbusd`]: its own copy compiled without VNNI for [`Bw`], so
+/// that no VNNI instruction can reach a CPU without it (LLVM forms `vpdpwssd` from
+/// `vpmaddwd` + add where VNNI is enabled).
+macro_rules! i16_tile_fn {
+    ($name:ident, $features:literal, $dot:ty) => {
 /// `R` rows against `N` 16-bit inputs (`R == 1` or `N == 1`), in groups of 16 blocks: each
 /// group's 16 weight scales are loaded (converted from the matrix's own encoding) and
 /// multiplied by the input's 16 block scales once, then per run of four 32-blocks (a "quad")
@@ -782,8 +851,8 @@ where
 /// AVX-512 F/BW/VL/VNNI available; `cols` a multiple of 32; each `rows[r]` a whole row of
 /// `cols` codes and `scales` `cols / 32` block scales per row; `x` holds `N * cols` codes per
 /// plane and `N * cols / 32` scales and sums; `out` `R * N` values.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn i16_tile<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
+#[target_feature(enable = $features)]
+unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     scales: S,
     x: I16Slices<'_>,
@@ -866,10 +935,10 @@ unsafe fn i16_tile<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     let (ev, od) = C::quad(p[r], b);
                     for t in 0..N {
                         let [h0, h1, l0, l1] = xs[t];
-                        let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ev, h0);
-                        let s = _mm512_dpbusd_epi32(s, od, h1);
-                        let s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), ev, l0);
-                        let s = _mm512_dpbusd_epi32(s, od, l1);
+                        let s = <$dot>::dp::<C>(_mm512_setzero_si512(), ev, h0);
+                        let s = <$dot>::dp::<C>(s, od, h1);
+                        let s = <$dot>::dp::<C>(_mm512_slli_epi32(s, 8), ev, l0);
+                        let s = <$dot>::dp::<C>(s, od, l1);
                         let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
@@ -895,8 +964,8 @@ unsafe fn i16_tile<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     let u = C::two(p[r], b);
                     for t in 0..N {
                         let [xh, xl] = xs[t];
-                        let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xh);
-                        let s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 8), u, xl);
+                        let s = <$dot>::dp::<C>(_mm512_setzero_si512(), u, xh);
+                        let s = <$dot>::dp::<C>(_mm512_slli_epi32(s, 8), u, xl);
                         let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
@@ -938,8 +1007,8 @@ unsafe fn i16_tile<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                         let o = t * cols + b * BLOCK;
                         let xh = _mm256_loadu_si256(hp.add(o) as *const __m256i);
                         let xl = _mm256_loadu_si256(lp.add(o) as *const __m256i);
-                        let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xh);
-                        let s = _mm256_dpbusd_epi32(_mm256_slli_epi32(s, 8), u, xl);
+                        let s = <$dot>::dp256::<C>(_mm256_setzero_si256(), u, xh);
+                        let s = <$dot>::dp256::<C>(_mm256_slli_epi32(s, 8), u, xl);
                         let sv = _mm512_permutexvar_ps(_mm512_set1_epi32(j as i32), wd[r][t]);
                         let prod = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm512_castps512_ps256(sv));
                         acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_zextps256_ps512(prod));
@@ -956,6 +1025,15 @@ unsafe fn i16_tile<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
         }
     }
 }
+    };
+}
+i16_tile_fn!(
+    i16_tile_vnni,
+    "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma",
+    Vnni
+);
+i16_tile_fn!(i16_tile_bw, "avx512f,avx512bw,avx512vl,avx2,fma", Bw);
+
 /// Inputs `t..t + k` of an [`I16Inputs`].
 #[derive(Clone, Copy)]
 struct I16Slices<'a> {
@@ -1000,8 +1078,8 @@ impl BlockScales<'_> {
 /// # Safety
 /// As for `i16_tile`; every `scales[r]` has the same variant and type and holds `cols / 32`
 /// block scales.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn tile_with_scales<C: Codes, const R: usize, const N: usize>(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn tile_with_scales<C: Codes, const VNNI: bool, const R: usize, const N: usize>(
     rows: [&[u8]; R],
     scales: [BlockScales<'_>; R],
     x: I16Slices<'_>,
@@ -1016,13 +1094,12 @@ unsafe fn tile_with_scales<C: Codes, const R: usize, const N: usize>(
             });
             // SAFETY: the caller's contract.
             unsafe {
-                i16_tile::<C, RawScales<$t, R>, R, N>(
-                    rows,
-                    RawScales(p, std::marker::PhantomData),
-                    x,
-                    cols,
-                    out,
-                )
+                let sc = RawScales(p, std::marker::PhantomData);
+                if VNNI {
+                    i16_tile_vnni::<C, RawScales<$t, R>, R, N>(rows, sc, x, cols, out)
+                } else {
+                    i16_tile_bw::<C, RawScales<$t, R>, R, N>(rows, sc, x, cols, out)
+                }
             }
         }};
     }
@@ -1035,7 +1112,13 @@ unsafe fn tile_with_scales<C: Codes, const R: usize, const N: usize>(
                 BlockScales::Raw(b, _) => b.as_ptr() as *const f32,
             });
             // SAFETY: the caller's contract.
-            unsafe { i16_tile::<C, F32Scales<R>, R, N>(rows, F32Scales(p), x, cols, out) }
+            unsafe {
+                if VNNI {
+                    i16_tile_vnni::<C, F32Scales<R>, R, N>(rows, F32Scales(p), x, cols, out)
+                } else {
+                    i16_tile_bw::<C, F32Scales<R>, R, N>(rows, F32Scales(p), x, cols, out)
+                }
+            }
         }
         BlockScales::Raw(_, ScaleType::E8m0) => raw!(E8m0Scale),
         BlockScales::Raw(_, ScaleType::Bf16) => raw!(Bf16Scale),
@@ -1050,8 +1133,10 @@ unsafe fn tile_with_scales<C: Codes, const R: usize, const N: usize>(
 /// AVX-512 F/BW/VL/VNNI, AVX2 and FMA available; `kind.simd_shape(cols)`;
 /// `row.len() == kind.row_len(cols)`, `scales` holds `cols / 32` block scales; `x.hi`/`x.lo`
 /// hold at least `n * cols` codes and `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn row_i16(
+    vnni: bool,
     kind: WeightFormat,
     row: &[u8],
     scales: BlockScales<'_>,
@@ -1071,23 +1156,26 @@ pub unsafe fn row_i16(
         let xt = I16Slices::of(x, t, k, cols);
         let o = &mut out[t..t + k];
         macro_rules! go {
-            ($c:ty) => {
+            ($c:ty, $v:literal) => {
                 // SAFETY: the caller's contract is the tile's; `xt` and `o` hold exactly `k`
                 // inputs / outputs.
                 unsafe {
                     match k {
-                        4 => tile_with_scales::<$c, 1, 4>([row], [scales], xt, cols, o),
-                        3 => tile_with_scales::<$c, 1, 3>([row], [scales], xt, cols, o),
-                        2 => tile_with_scales::<$c, 1, 2>([row], [scales], xt, cols, o),
-                        _ => tile_with_scales::<$c, 1, 1>([row], [scales], xt, cols, o),
+                        4 => tile_with_scales::<$c, $v, 1, 4>([row], [scales], xt, cols, o),
+                        3 => tile_with_scales::<$c, $v, 1, 3>([row], [scales], xt, cols, o),
+                        2 => tile_with_scales::<$c, $v, 1, 2>([row], [scales], xt, cols, o),
+                        _ => tile_with_scales::<$c, $v, 1, 1>([row], [scales], xt, cols, o),
                     }
                 }
             };
         }
-        match kind {
-            WeightFormat::Int4 { .. } => go!(Int4Codes),
-            WeightFormat::Mxfp4 { .. } => go!(Mxfp4Codes),
-            WeightFormat::Q8 { .. } => go!(Q8Codes),
+        match (kind, vnni) {
+            (WeightFormat::Int4 { .. }, true) => go!(Int4Codes, true),
+            (WeightFormat::Int4 { .. }, false) => go!(Int4Codes, false),
+            (WeightFormat::Mxfp4 { .. }, true) => go!(Mxfp4Codes, true),
+            (WeightFormat::Mxfp4 { .. }, false) => go!(Mxfp4Codes, false),
+            (WeightFormat::Q8 { .. }, true) => go!(Q8Codes, true),
+            (WeightFormat::Q8 { .. }, false) => go!(Q8Codes, false),
             _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
         }
         t += k;
@@ -1102,9 +1190,10 @@ pub unsafe fn row_i16(
 /// # Safety
 /// As for [`row_i16`] with `t0 + n` inputs, for both rows and their f32 block scales; each
 /// `outs[r]` holds `n`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rows2_i16(
+    vnni: bool,
     kind: WeightFormat,
     rows: [&[u8]; 2],
     scales: [&[f32]; 2],
@@ -1129,23 +1218,26 @@ pub unsafe fn rows2_i16(
         let xt = I16Slices::of(x, t0 + t, k, cols);
         let mut tmp = [0f32; 8];
         macro_rules! go {
-            ($c:ty) => {
+            ($c:ty, $v:literal) => {
                 // SAFETY: the caller's contract is the tile's; `xt` holds `k` inputs and
                 // `tmp` the `2 * k` outputs (`out[r * k + t]`).
                 unsafe {
                     match k {
-                        4 => tile_with_scales::<$c, 2, 4>(rows, sc, xt, cols, &mut tmp[..8]),
-                        3 => tile_with_scales::<$c, 2, 3>(rows, sc, xt, cols, &mut tmp[..6]),
-                        2 => tile_with_scales::<$c, 2, 2>(rows, sc, xt, cols, &mut tmp[..4]),
-                        _ => tile_with_scales::<$c, 2, 1>(rows, sc, xt, cols, &mut tmp[..2]),
+                        4 => tile_with_scales::<$c, $v, 2, 4>(rows, sc, xt, cols, &mut tmp[..8]),
+                        3 => tile_with_scales::<$c, $v, 2, 3>(rows, sc, xt, cols, &mut tmp[..6]),
+                        2 => tile_with_scales::<$c, $v, 2, 2>(rows, sc, xt, cols, &mut tmp[..4]),
+                        _ => tile_with_scales::<$c, $v, 2, 1>(rows, sc, xt, cols, &mut tmp[..2]),
                     }
                 }
             };
         }
-        match kind {
-            WeightFormat::Int4 { .. } => go!(Int4Codes),
-            WeightFormat::Mxfp4 { .. } => go!(Mxfp4Codes),
-            WeightFormat::Q8 { .. } => go!(Q8Codes),
+        match (kind, vnni) {
+            (WeightFormat::Int4 { .. }, true) => go!(Int4Codes, true),
+            (WeightFormat::Int4 { .. }, false) => go!(Int4Codes, false),
+            (WeightFormat::Mxfp4 { .. }, true) => go!(Mxfp4Codes, true),
+            (WeightFormat::Mxfp4 { .. }, false) => go!(Mxfp4Codes, false),
+            (WeightFormat::Q8 { .. }, true) => go!(Q8Codes, true),
+            (WeightFormat::Q8 { .. }, false) => go!(Q8Codes, false),
             _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
         }
         o0[t..t + k].copy_from_slice(&tmp[..k]);
@@ -1159,8 +1251,9 @@ pub unsafe fn rows2_i16(
 /// # Safety
 /// As for [`row_i16`] with `n == 1`, for each of the `R` rows and their scales (all of one
 /// variant and type); `out` holds `R`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub unsafe fn rows_i16<const R: usize>(
+    vnni: bool,
     kind: WeightFormat,
     rows: [&[u8]; R],
     scales: [BlockScales<'_>; R],
@@ -1174,15 +1267,18 @@ pub unsafe fn rows_i16<const R: usize>(
     debug_assert!(scales.iter().all(|s| s.holds(blocks)));
     let xt = I16Slices::of(x, 0, 1, cols);
     macro_rules! go {
-        ($c:ty) => {
+        ($c:ty, $v:literal) => {
             // SAFETY: the caller's contract is the tile's; one input, `R` rows and outputs.
-            unsafe { tile_with_scales::<$c, R, 1>(rows, scales, xt, cols, out) }
+            unsafe { tile_with_scales::<$c, $v, R, 1>(rows, scales, xt, cols, out) }
         };
     }
-    match kind {
-        WeightFormat::Int4 { .. } => go!(Int4Codes),
-        WeightFormat::Mxfp4 { .. } => go!(Mxfp4Codes),
-        WeightFormat::Q8 { .. } => go!(Q8Codes),
+    match (kind, vnni) {
+        (WeightFormat::Int4 { .. }, true) => go!(Int4Codes, true),
+        (WeightFormat::Int4 { .. }, false) => go!(Int4Codes, false),
+        (WeightFormat::Mxfp4 { .. }, true) => go!(Mxfp4Codes, true),
+        (WeightFormat::Mxfp4 { .. }, false) => go!(Mxfp4Codes, false),
+        (WeightFormat::Q8 { .. }, true) => go!(Q8Codes, true),
+        (WeightFormat::Q8 { .. }, false) => go!(Q8Codes, false),
         _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
     }
 }
