@@ -4,8 +4,9 @@
 # group limited to that many bytes (page cache included); deltafin streams the experts from a
 # one-drive layout (a directory on this machine's disk) with --ram-budget at the cap, llama.cpp
 # maps the GGUF (llama-bench tg, mmap). Page cache dropped before each run. Also the overlap
-# of deltafin's reads and compute: decode time per token over max(I/O time of the bytes it
-# read, at the drive's measured rate; compute time per token in RAM). Writes
+# of deltafin's reads and compute: generation time per token over max(I/O time per token, the
+# drive's busy time (a read outstanding) per token; compute time per token in RAM, `bench
+# compute`). Writes
 # benches/results/vs_llamacpp_cap.json.
 #
 #   sudo benches/vs_llamacpp_cap.sh [--formats int4,q8] [--cap-percent 40] [--decode 16]
@@ -64,14 +65,22 @@ for f in "${formats[@]}"; do
 import json, sys
 x = json.loads(sys.stdin.read())
 s = x['decode_s_per_token']
-io_s = x['bytes_read_per_token'] / ($io_gbps * 1e9)
+# I/O time per token: the drive's busy time (a read outstanding) over the whole generation,
+# per generated token; against the whole generation's time per token.
+n = x['tokens']
+busy_s = sum(d['busy_s'] for d in x['drive_stats'])
+io_s = busy_s / n
+gen_s = x['total_s'] / n
 compute_s = 1.0 / $compute_tps
 print(json.dumps({'engine': 'deltafin', 'format': '$f', 'cap_bytes': $cap, 'model_bytes': $bytes,
                   'tokens_per_s': 1.0 / s, 'peak_rss_bytes': x['peak_rss_bytes'],
                   'bytes_read_per_token': x.get('bytes_read_per_token'),
                   'decode_io_stall_s': x.get('decode_io_stall_s'), 'expert_cache_hit_rate': x.get('expert_cache_hit_rate'),
-                  'drive_gb_per_s': $io_gbps, 'io_s_per_token': io_s, 'compute_s_per_token': compute_s,
-                  'decode_s_per_token': s, 'overlap_ratio': s / max(io_s, compute_s)}))" >> "$raw"
+                  'drive_gb_per_s_bench_io': $io_gbps, 'io_s_per_token_at_bench_io_rate': x['bytes_read_per_token'] / ($io_gbps * 1e9),
+                  'drive_busy_s': busy_s, 'tokens': n, 'total_s': x['total_s'],
+                  'io_s_per_token': io_s, 'compute_s_per_token': compute_s,
+                  'decode_s_per_token': s, 'generation_s_per_token': gen_s,
+                  'overlap_ratio': gen_s / max(io_s, compute_s)}))" >> "$raw"
     rm -rf "$drive"
     for g in "$work/ds-$f.gguf" "$work/ds-$f-experts.gguf"; do
         [ -f "$g" ] || continue # bf16 has no experts-only variant

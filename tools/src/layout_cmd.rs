@@ -50,6 +50,12 @@ pub struct LayoutArgs {
     /// `quantize_errors.json` next to each drive's manifest; a summary is printed.
     #[arg(long, value_name = "FORMAT")]
     pub quantize_experts: Option<ExpertFormat>,
+    /// With --quantize-experts: also every non-expert projection (attention, shared experts,
+    /// dense MLPs, latent projections) in this format (mxfp4, int4, q8). Routers, norms,
+    /// embeddings, lm_head and one-row matrices stay as they are. Errors per tensor in
+    /// `quantize_errors.json` too.
+    #[arg(long, value_name = "FORMAT", requires = "quantize_experts")]
+    pub quantize_dense: Option<ExpertFormat>,
     #[arg(long, short)]
     pub quiet: bool,
 }
@@ -128,9 +134,13 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
             skipped.len()
         );
     }
-    let quant = a
-        .quantize_experts
-        .map(|f| Arc::new(QuantizeExperts::new(f, naming.clone())));
+    let quant = a.quantize_experts.map(|f| {
+        let q = QuantizeExperts::new(f, naming.clone());
+        Arc::new(match a.quantize_dense {
+            Some(d) => q.with_dense(d),
+            None => q,
+        })
+    });
     let opts = LayoutOptions {
         name,
         drives,
@@ -170,6 +180,7 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
         let errors = q.errors();
         let report = serde_json::json!({
             "format": q.format.to_string(),
+            "dense_format": q.dense.map(|d| d.to_string()),
             "layout_id": m.layout_id,
             "tensors": errors,
         });
@@ -178,7 +189,11 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
             let p = d.path.join(QUANT_ERRORS_FILE);
             std::fs::write(&p, &text).with_context(|| format!("writing {}", p.display()))?;
         }
-        print_summary(&q.format.to_string(), &errors);
+        let what = match q.dense {
+            Some(d) => format!("{} (non-expert projections: {d})", q.format),
+            None => q.format.to_string(),
+        };
+        print_summary(&what, &errors);
     }
     Ok(())
 }
@@ -191,7 +206,12 @@ pub const QUANT_ERRORS_FILE: &str = "quantize_errors.json";
 fn print_summary(format: &str, errors: &[TensorQuantError]) {
     let mut kinds: std::collections::BTreeMap<String, Vec<&TensorQuantError>> = Default::default();
     for e in errors {
-        let kind = e.tensor.rsplit('.').nth(1).unwrap_or("?").to_string();
+        let kind = e.tensor.rsplit('.').nth(1).unwrap_or("?");
+        let kind = if e.dense {
+            format!("dense {kind}")
+        } else {
+            kind.to_string()
+        };
         kinds.entry(kind).or_default().push(e);
         kinds.entry("all".into()).or_default().push(e);
     }
@@ -200,7 +220,7 @@ fn print_summary(format: &str, errors: &[TensorQuantError]) {
         errors.len()
     );
     println!(
-        "  {:<12} {:>7} {:>10} {:>10} {:>7} {:>12} {:>12} {:>12}",
+        "  {:<28} {:>7} {:>10} {:>10} {:>7} {:>12} {:>12} {:>12}",
         "tensor",
         "count",
         "bytes in",
@@ -215,7 +235,7 @@ fn print_summary(format: &str, errors: &[TensorQuantError]) {
         let bi: u64 = v.iter().map(|e| e.bytes_in).sum();
         let bo: u64 = v.iter().map(|e| e.bytes_out).sum();
         println!(
-            "  {:<12} {:>7} {:>10} {:>10} {:>6.2}x {:>12.5} {:>12.5} {:>12.5}",
+            "  {:<28} {:>7} {:>10} {:>10} {:>6.2}x {:>12.5} {:>12.5} {:>12.5}",
             k,
             v.len(),
             human(bi),

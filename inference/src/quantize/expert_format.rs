@@ -53,6 +53,22 @@ pub fn expert_only_ignore() -> Value {
     ])
 }
 
+/// Whether `name` is a non-expert projection `--quantize-dense` packs: a `.weight` of a
+/// linear module other than a router (`mlp.gate`, K3's `gate` with its bias), `lm_head` and
+/// the embeddings, and other than the small per-head tensors of KDA (`A_log`, `dt_bias`,
+/// convolutions are not `.weight`s of linear modules and are 1-D or 3-D anyway).
+pub fn is_dense_projection(name: &str) -> bool {
+    let Some(prefix) = name.strip_suffix(".weight") else {
+        return false;
+    };
+    let module = prefix.rsplit('.').next().unwrap_or("");
+    !(module == "gate"
+        || module == "lm_head"
+        || module.contains("embed")
+        || module.contains("norm")
+        || prefix.contains("conv"))
+}
+
 impl ExpertFormat {
     /// Whether a `[rows, cols]` matrix can be stored in this format.
     pub fn fits(self, cols: u64) -> bool {

@@ -11,7 +11,7 @@ use deltafin_storage::naming::ExpertNaming;
 use deltafin_storage::{Result, StorageError};
 use serde_json::Value;
 
-use crate::quantize::expert_format::ExpertFormat;
+use crate::quantize::expert_format::{is_dense_projection, ExpertFormat};
 
 /// Error of one quantized expert tensor.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -24,6 +24,10 @@ pub struct TensorQuantError {
     pub rel_rms: f32,
     pub bytes_in: u64,
     pub bytes_out: u64,
+    /// A non-expert projection (`--quantize-dense`; `layer` is its decoder layer, or
+    /// `u32::MAX` outside the layers, and `expert` is `u32::MAX`).
+    #[serde(default)]
+    pub dense: bool,
 }
 
 /// [`ExpertTransform`] quantizing every routed expert matrix (`*.weight`, or a fused
@@ -32,6 +36,9 @@ pub struct TensorQuantError {
 #[derive(Debug)]
 pub struct QuantizeExperts {
     pub format: ExpertFormat,
+    /// Also every non-expert projection ([`is_dense_projection`], two rows or more), in this
+    /// format (`layout --quantize-dense`).
+    pub dense: Option<ExpertFormat>,
     /// Names the source tensors in the error report.
     naming: ExpertNaming,
     errors: Mutex<Vec<TensorQuantError>>,
@@ -41,8 +48,30 @@ impl QuantizeExperts {
     pub fn new(format: ExpertFormat, naming: ExpertNaming) -> QuantizeExperts {
         QuantizeExperts {
             format,
+            dense: None,
             naming,
             errors: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The non-expert projections too, in `dense`.
+    pub fn with_dense(mut self, dense: ExpertFormat) -> QuantizeExperts {
+        self.dense = Some(dense);
+        self
+    }
+
+    /// The matrix prefix, rows and columns of a resident tensor `--quantize-dense` packs.
+    fn dense_quantizable(&self, p: &PartSpec) -> Option<(ExpertFormat, String, u64, u64)> {
+        let dense = self.dense?;
+        let prefix = p.name.strip_suffix(".weight")?;
+        let float = matches!(p.dtype, Dtype::Bf16 | Dtype::F16 | Dtype::F32);
+        match p.shape[..] {
+            [rows, cols]
+                if float && rows > 1 && dense.fits(cols) && is_dense_projection(&p.name) =>
+            {
+                Some((dense, prefix.to_string(), rows, cols))
+            }
+            _ => None,
         }
     }
 
@@ -127,6 +156,7 @@ impl ExpertTransform for QuantizeExperts {
                 rel_rms: error.rel_rms,
                 bytes_in: bytes.len() as u64,
                 bytes_out: parts.iter().map(|b| b.len() as u64).sum(),
+                dense: false,
             });
             out.extend(parts);
         }
@@ -134,6 +164,50 @@ impl ExpertTransform for QuantizeExperts {
             e.extend(errs);
         }
         Ok(out)
+    }
+
+    fn resident_parts(&self, source: &PartSpec) -> Result<Option<Vec<PartSpec>>> {
+        Ok(self
+            .dense_quantizable(source)
+            .map(|(f, prefix, rows, cols)| f.parts(&prefix, rows, cols)))
+    }
+
+    fn apply_resident(&self, source: &PartSpec, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let Some((f, _, rows, cols)) = self.dense_quantizable(source) else {
+            return Ok(vec![bytes.to_vec()]);
+        };
+        let w = float_bytes_to_f32(&source.dtype, bytes)
+            .filter(|w| w.len() as u64 == rows * cols)
+            .ok_or_else(|| {
+                StorageError::InvalidArgument(format!(
+                    "`{}`: {} bytes do not hold {rows}x{cols} {}",
+                    source.name,
+                    bytes.len(),
+                    source.dtype
+                ))
+            })?;
+        let (parts, error) = f.encode(&w, rows as usize, cols as usize);
+        let layer = source
+            .name
+            .split(".layers.")
+            .nth(1)
+            .and_then(|r| r.split('.').next())
+            .and_then(|l| l.parse().ok())
+            .unwrap_or(u32::MAX);
+        let e = TensorQuantError {
+            tensor: source.name.clone(),
+            layer,
+            expert: u32::MAX,
+            max_abs: error.max_abs,
+            rel_rms: error.rel_rms,
+            bytes_in: bytes.len() as u64,
+            bytes_out: parts.iter().map(|b| b.len() as u64).sum(),
+            dense: true,
+        };
+        if let Ok(mut errs) = self.errors.lock() {
+            errs.push(e);
+        }
+        Ok(parts)
     }
 
     fn config(&self, source: &Value) -> Result<Value> {
@@ -163,10 +237,11 @@ impl ExpertTransform for QuantizeExperts {
             Some(&mut cfg)
         };
         if let Some(o) = target.and_then(Value::as_object_mut) {
-            o.insert(
-                "quantization_config".into(),
-                self.format.quantization_config(),
-            );
+            let q = match self.dense {
+                Some(d) => self.format.quantization_config_with_dense(d),
+                None => self.format.quantization_config(),
+            };
+            o.insert("quantization_config".into(), q);
         }
         Ok(cfg)
     }
@@ -176,6 +251,9 @@ impl ExpertTransform for QuantizeExperts {
         let n = errs.len().max(1) as f64;
         let mut m = BTreeMap::new();
         m.insert("quantize_experts".into(), self.format.to_string());
+        if let Some(d) = self.dense {
+            m.insert("quantize_dense".into(), d.to_string());
+        }
         m.insert("quantize_tensors".into(), errs.len().to_string());
         let max_rel = errs.iter().fold(0f32, |a, e| a.max(e.rel_rms));
         let mean_rel = errs.iter().map(|e| e.rel_rms as f64).sum::<f64>() / n;

@@ -26,6 +26,7 @@ use serde_json::Value;
 
 use crate::error::Result;
 use crate::family::expert_naming;
+pub use crate::quantize::expert_format::is_dense_projection;
 use crate::quantize::expert_format::{fp8_quantization_config, ExpertFormat};
 
 /// The format `synth` writes weights in.
@@ -129,22 +130,6 @@ impl SynthFormat {
             SynthFormat::Bf16 | SynthFormat::Fp8 => None,
         }
     }
-}
-
-/// Whether `name` is a non-expert projection `--quantize-dense` packs: a `.weight` of a
-/// linear module other than a router (`mlp.gate`, K3's `gate` with its bias), `lm_head` and
-/// the embeddings, and other than the small per-head tensors of KDA (`A_log`, `dt_bias`,
-/// convolutions are not `.weight`s of linear modules and are 1-D or 3-D anyway).
-pub fn is_dense_projection(name: &str) -> bool {
-    let Some(prefix) = name.strip_suffix(".weight") else {
-        return false;
-    };
-    let module = prefix.rsplit('.').next().unwrap_or("");
-    !(module == "gate"
-        || module == "lm_head"
-        || module.contains("embed")
-        || module.contains("norm")
-        || prefix.contains("conv"))
 }
 
 /// What `synth` wrote.

@@ -39,13 +39,33 @@ pub struct Plan {
     pub expert_records: usize,
 }
 
+/// The tensors of one record, each starting 64-byte aligned inside it (so kernels can use
+/// aligned loads), and the record's length.
+fn pack_parts(parts: Vec<PartSpec>) -> (Vec<RecordTensor>, u64) {
+    let mut tensors = Vec::with_capacity(parts.len());
+    let mut len = 0u64;
+    for p in parts {
+        len = len.div_ceil(64) * 64;
+        tensors.push(RecordTensor {
+            name: p.name,
+            dtype: p.dtype,
+            shape: p.shape,
+            offset: len,
+            len: p.len,
+        });
+        len += p.len;
+    }
+    (tensors, len)
+}
+
 /// Decide the record order: resident tensors first (one record each, file order), then every
 /// layer's experts in (layer, expert) order so a layer's records sit together.
 pub fn plan(ckpt: &Checkpoint, naming: &ExpertNaming) -> Result<Plan> {
     plan_with(ckpt, naming, None)
 }
 
-/// [`plan`], with expert records rewritten by `transform` (lengths from its output parts).
+/// [`plan`], with expert records (and the resident tensors it asks for) rewritten by
+/// `transform` (lengths from its output parts).
 pub fn plan_with(
     ckpt: &Checkpoint,
     naming: &ExpertNaming,
@@ -55,26 +75,47 @@ pub fn plan_with(
     let mut offset = 0u64;
     let mut resident_bytes = 0;
     for t in resident_tensors(ckpt, naming) {
-        let len = t.info.len;
+        let source = Source {
+            file: t.file,
+            offset: t.info.offset,
+            len: t.info.len,
+        };
+        let spec = PartSpec {
+            name: t.info.name.clone(),
+            dtype: t.info.dtype.clone(),
+            shape: t.info.shape.clone(),
+            len: t.info.len,
+        };
+        let rewritten = match transform {
+            Some(tr) => tr.resident_parts(&spec)?,
+            None => None,
+        };
+        let (tensors, len, transform_from) = match rewritten {
+            Some(parts) => {
+                let (tensors, len) = pack_parts(parts);
+                (tensors, len, Some(vec![spec]))
+            }
+            None => (
+                vec![RecordTensor {
+                    name: spec.name.clone(),
+                    dtype: spec.dtype.clone(),
+                    shape: spec.shape.clone(),
+                    offset: 0,
+                    len: spec.len,
+                }],
+                spec.len,
+                None,
+            ),
+        };
         records.push(PlannedRecord {
             id: RecordId::Resident {
                 group: t.info.name.clone(),
             },
             offset,
             len,
-            sources: vec![Source {
-                file: t.file,
-                offset: t.info.offset,
-                len,
-            }],
-            tensors: vec![RecordTensor {
-                name: t.info.name.clone(),
-                dtype: t.info.dtype.clone(),
-                shape: t.info.shape.clone(),
-                offset: 0,
-                len,
-            }],
-            transform_from: None,
+            sources: vec![source],
+            tensors,
+            transform_from,
         });
         resident_bytes += len;
         offset += align_up(len.max(1));
@@ -107,20 +148,7 @@ pub fn plan_with(
             Some(t) => (t.parts(&source_specs)?, Some(source_specs)),
             None => (source_specs, None),
         };
-        let mut tensors = Vec::new();
-        let mut len = 0u64;
-        for p in out_specs {
-            // Each tensor starts 64-byte aligned inside the record so kernels can use aligned loads.
-            len = len.div_ceil(64) * 64;
-            tensors.push(RecordTensor {
-                name: p.name,
-                dtype: p.dtype,
-                shape: p.shape,
-                offset: len,
-                len: p.len,
-            });
-            len += p.len;
-        }
+        let (tensors, len) = pack_parts(out_specs);
         match templates.last() {
             Some(t) if t.layer == e.layer => {
                 if t.len != len || t.tensors != tensors {

@@ -39,6 +39,9 @@ pub(crate) fn write_records(
             (Some(from), Some(t), RecordId::Expert { layer, expert }) => {
                 write_transformed(ckpt, r, from, t, (*layer, *expert), template, &mut out)?
             }
+            (Some(from), Some(t), RecordId::Resident { .. }) => {
+                write_transformed_resident(ckpt, r, from, t, template, &mut out)?
+            }
             _ => write_copied(ckpt, r, template, &mut out)?,
         }
         entries.push(RecordEntry {
@@ -114,6 +117,36 @@ fn write_transformed(
         .map(|(p, s)| (p, ckpt.slice(s.file, s.offset, s.len)))
         .collect();
     let parts = t.apply(layer, expert, &inputs)?;
+    write_parts(r, &parts, template, out)
+}
+
+/// A resident tensor rewritten by the transform.
+fn write_transformed_resident(
+    ckpt: &Checkpoint,
+    r: &PlannedRecord,
+    from: &[PartSpec],
+    t: &dyn ExpertTransform,
+    template: &[RecordTensor],
+    out: &mut RecordOut<'_, '_>,
+) -> Result<()> {
+    let (Some(spec), Some(s)) = (from.first(), r.sources.first()) else {
+        return Err(StorageError::InvalidArgument(format!(
+            "{}: a rewritten resident record has one source tensor",
+            r.id
+        )));
+    };
+    let parts = t.apply_resident(spec, ckpt.slice(s.file, s.offset, s.len))?;
+    write_parts(r, &parts, template, out)
+}
+
+/// Write a transform's output parts at the planned offsets, each checked against its planned
+/// length.
+fn write_parts(
+    r: &PlannedRecord,
+    parts: &[Vec<u8>],
+    template: &[RecordTensor],
+    out: &mut RecordOut<'_, '_>,
+) -> Result<()> {
     if parts.len() != template.len() {
         return Err(StorageError::InvalidArgument(format!(
             "{}: transform returned {} parts, planned {}",

@@ -1,5 +1,5 @@
-//! Layout-time rewriting of routed-expert records (e.g. quantizing them): the trait a transform
-//! implements and the part descriptions it works on.
+//! Layout-time rewriting of routed-expert records and resident tensors (e.g. quantizing them):
+//! the trait a transform implements and the part descriptions it works on.
 
 use std::collections::BTreeMap;
 
@@ -46,5 +46,19 @@ pub trait ExpertTransform: Send + Sync + std::fmt::Debug {
     /// Extra manifest `meta` entries, asked once every record is written.
     fn meta(&self) -> BTreeMap<String, String> {
         BTreeMap::new()
+    }
+    /// The tensors a resident (non-expert) tensor becomes, in record order; `None` (the
+    /// default): copied as it is. Asked while planning, from the name, dtype and shape alone.
+    fn resident_parts(&self, source: &PartSpec) -> Result<Option<Vec<PartSpec>>> {
+        let _ = source;
+        Ok(None)
+    }
+    /// The bytes of each part [`Self::resident_parts`] returned for `source`.
+    fn apply_resident(&self, source: &PartSpec, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let _ = bytes;
+        Err(crate::error::StorageError::InvalidArgument(format!(
+            "resident tensor `{}`: this transform does not rewrite resident tensors",
+            source.name
+        )))
     }
 }
