@@ -322,16 +322,30 @@ pub(crate) fn rows_task(
             tile!(4);
         }
     }
+    // Products of 16-bit inputs on AVX-512 with one scale per 32-block: the pair tile reads
+    // the matrix's own scale bytes too (the conversion pass was 4% of an INT4 prefill).
+    #[cfg(target_arch = "x86_64")]
+    let raw_pairs = n > 1
+        && isa.has_avx512()
+        && kind.simd_shape(cols)
+        && group == BLOCK
+        && kind.integer()
+        && matches!(xin, Inputs::I16(_));
+    #[cfg(not(target_arch = "x86_64"))]
+    let raw_pairs = false;
     // The other rows' scales as f32: `scales[(i - s0) * per_row..]` for task row `i`.
     let s0 = first;
     let mut scales = Vec::new();
-    scales_of(s0, nr, &mut scales);
-    if s0 == 0 {
-        // One conversion pass for the task: ask for the next task's scales now, or that
-        // pass stalls on DRAM, too short for the hardware prefetcher to ramp up.
-        prefetch_l2(group_scale_bytes(m, r0 + nr, r0 + 2 * nr));
+    if !raw_pairs {
+        scales_of(s0, nr, &mut scales);
+        if s0 == 0 {
+            // One conversion pass for the task: ask for the next task's scales now, or that
+            // pass stalls on DRAM, too short for the hardware prefetcher to ramp up.
+            prefetch_l2(group_scale_bytes(m, r0 + nr, r0 + 2 * nr));
+        }
     }
-    let per_row = scales.len() / (nr - s0).max(1);
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut per_row = scales.len() / (nr - s0).max(1);
     #[cfg(target_arch = "x86_64")]
     if n == 1
         && (cols * 4 > 16 << 10
@@ -381,6 +395,11 @@ pub(crate) fn rows_task(
             // A multiple of four inputs (the 16-bit tile's width; the f32 tile takes two).
             let chunk = (L1_INPUT_BYTES / per_input).max(4) / 4 * 4;
             let pairs_end = first + (nr - first) / 2 * 2;
+            let (st, sb) = (m.scale_type(), group_scale_bytes(m, r0, r0 + nr));
+            let raw_per_row = sb.len() / nr.max(1);
+            let raw = |i: usize| {
+                x86_avx512::BlockScales::Raw(&sb[i * raw_per_row..(i + 1) * raw_per_row], st)
+            };
             for t0 in (0..n).step_by(chunk) {
                 let nn = chunk.min(n - t0);
                 let mut p = first;
@@ -391,10 +410,12 @@ pub(crate) fn rows_task(
                         &data[r * rb..(r + 1) * rb],
                         &data[(r + 1) * rb..(r + 2) * rb],
                     ];
-                    let sc2 = [
-                        &scales[i0 * per_row..(i0 + 1) * per_row],
-                        &scales[i1 * per_row..(i1 + 1) * per_row],
-                    ];
+                    let sc2 = || {
+                        [
+                            &scales[i0 * per_row..(i0 + 1) * per_row],
+                            &scales[i1 * per_row..(i1 + 1) * per_row],
+                        ]
+                    };
                     let (a, b) = o[p * n..(p + 2) * n].split_at_mut(n);
                     let (a, b) = (&mut a[t0..t0 + nn], &mut b[t0..t0 + nn]);
                     match xin {
@@ -407,22 +428,31 @@ pub(crate) fn rows_task(
                             x86_avx512::rows2_f32(
                                 kind,
                                 rows2,
-                                sc2,
+                                sc2(),
                                 &xf[t0 * cols..(t0 + nn) * cols],
                                 cols,
                                 nn,
                                 [a, b],
                             )
                         },
-                        // SAFETY: as above, for an integer format; each scale slice holds the
-                        // row's `cols / 32` block scales as f32 (expanded above), `xq` holds
-                        // `n >= t0 + nn` inputs.
+                        // SAFETY: as above, for an integer format; each row's scales are its
+                        // `cols / 32` block scales, raw in the matrix's type (group 32) or as
+                        // f32 (expanded above), `xq` holds `n >= t0 + nn` inputs.
                         Inputs::I16(xq) => unsafe {
+                            let sc = if raw_pairs {
+                                [raw(p), raw(p + 1)]
+                            } else {
+                                let [s0, s1] = sc2();
+                                [
+                                    x86_avx512::BlockScales::F32(s0),
+                                    x86_avx512::BlockScales::F32(s1),
+                                ]
+                            };
                             x86_avx512::rows2_i16(
                                 isa == Isa::Avx512,
                                 kind,
                                 rows2,
-                                sc2,
+                                sc,
                                 xq,
                                 cols,
                                 t0,
@@ -436,6 +466,11 @@ pub(crate) fn rows_task(
                 }
             }
             first = pairs_end;
+            if raw_pairs && first < nr {
+                // An odd last row runs the single-row kernel on f32 scales.
+                scales_of(s0, nr, &mut scales);
+                per_row = scales.len() / (nr - s0).max(1);
+            }
         }
     }
     for (i, orow) in o.chunks_mut(n).enumerate().skip(first) {

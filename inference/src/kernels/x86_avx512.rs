@@ -1188,15 +1188,15 @@ pub unsafe fn row_i16(
 /// its shape).
 ///
 /// # Safety
-/// As for [`row_i16`] with `t0 + n` inputs, for both rows and their f32 block scales; each
-/// `outs[r]` holds `n`.
+/// As for [`row_i16`] with `t0 + n` inputs, for both rows and their block scales (both of one
+/// variant and type); each `outs[r]` holds `n`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rows2_i16(
     vnni: bool,
     kind: WeightFormat,
     rows: [&[u8]; 2],
-    scales: [&[f32]; 2],
+    scales: [BlockScales<'_>; 2],
     x: &I16Inputs,
     cols: usize,
     t0: usize,
@@ -1208,8 +1208,8 @@ pub unsafe fn rows2_i16(
     let end = t0 + n;
     debug_assert!(x.hi.len() >= end * cols && x.lo.len() >= end * cols);
     debug_assert!(x.d.len() >= end * blocks && x.dsums.len() >= end * blocks);
-    debug_assert!(scales.iter().all(|s| s.len() >= blocks) && outs.iter().all(|o| o.len() >= n));
-    let sc = [BlockScales::F32(scales[0]), BlockScales::F32(scales[1])];
+    debug_assert!(scales.iter().all(|s| s.holds(blocks)) && outs.iter().all(|o| o.len() >= n));
+    let sc = scales;
     let [o0, o1] = outs;
     let mut t = 0;
     while t < n {
