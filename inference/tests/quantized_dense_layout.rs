@@ -1,14 +1,14 @@
 //! `deltafin layout --quantize-experts F --quantize-dense D`: on every architecture, a BF16
 //! checkpoint laid out with its non-expert projections quantized holds exactly the bytes
 //! `synth --format F --quantize-dense D` writes from the same values (both RTN), and the
-//! layout's model computes exactly what that checkpoint's model computes. Routers, norms,
-//! embeddings and lm_head stay as they were; every quantized dense tensor has its error in the
-//! transform's report.
+//! layout's model computes exactly what that checkpoint's model computes. Routers and norms
+//! stay as they were, lm_head and the embeddings unless asked for; every quantized resident
+//! tensor has its error in the transform's report.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
 
-use deltafin_inference::quantize::{ExpertFormat, QuantizeExperts};
+use deltafin_inference::quantize::{DenseFormats, ExpertFormat, QuantizeExperts};
 use deltafin_inference::synth::presets::{preset_config, SYNTH_ARCHS};
 use deltafin_inference::synth::{is_dense_projection, write_synth, SynthFormat};
 use deltafin_inference::weights::WeightSource;
@@ -41,15 +41,29 @@ fn dense_quantized_layouts_equal_dense_quantized_checkpoints() {
         synth(&bf16_dir, arch, SynthFormat::Bf16);
         let ckpt = Checkpoint::open(&bf16_dir).unwrap();
         let naming = deltafin_inference::family::expert_naming(&ckpt.config).unwrap();
+        let all = DenseFormats {
+            projections: Some(ExpertFormat::Int4),
+            head: Some(ExpertFormat::Q8),
+            embeddings: Some(ExpertFormat::Mxfp4),
+        };
         for (experts, dense) in [
-            (ExpertFormat::Int4, ExpertFormat::Q8),
-            (ExpertFormat::Mxfp4, ExpertFormat::Mxfp4),
+            (
+                ExpertFormat::Int4,
+                DenseFormats::projections(ExpertFormat::Q8),
+            ),
+            (
+                ExpertFormat::Mxfp4,
+                DenseFormats::projections(ExpertFormat::Mxfp4),
+            ),
+            (ExpertFormat::Q8, all),
         ] {
             let f = SynthFormat::Packed { experts, dense };
             let packed_dir = base.path().join(format!("{arch}-{f}"));
             synth(&packed_dir, arch, f);
             let drive = tempfile::tempdir().unwrap();
             let q = Arc::new(QuantizeExperts::new(experts, naming.clone()).with_dense(dense));
+            let mut head_packed = false;
+            let mut embeddings_packed = false;
             let opts = LayoutOptions {
                 name: "d".into(),
                 drives: vec![drive.path().to_path_buf()],
@@ -80,12 +94,25 @@ fn dense_quantized_layouts_equal_dense_quantized_checkpoints() {
                     continue;
                 };
                 let info = &ckpt.get(group).unwrap().info;
-                let quantized = info.shape.len() == 2
+                let module = group
+                    .trim_end_matches(".weight")
+                    .rsplit('.')
+                    .next()
+                    .unwrap();
+                let want = match module {
+                    "lm_head" => dense.head,
+                    "embed_tokens" => dense.embeddings,
+                    _ if is_dense_projection(group) => dense.projections,
+                    _ => None,
+                };
+                let quantized = want.is_some()
+                    && info.shape.len() == 2
                     && info.shape[0] > 1
-                    && info.shape[1].is_multiple_of(32)
-                    && is_dense_projection(group);
+                    && info.shape[1].is_multiple_of(32);
                 let names: Vec<&str> = r.tensors.iter().map(|t| t.name.as_str()).collect();
                 if quantized {
+                    head_packed |= module == "lm_head";
+                    embeddings_packed |= module == "embed_tokens";
                     dense_records += 1;
                     assert!(
                         names.iter().all(|n| n.contains(".weight_")),
@@ -106,6 +133,12 @@ fn dense_quantized_layouts_equal_dense_quantized_checkpoints() {
                 }
             }
             assert!(dense_records > 0, "{arch}: no dense projection quantized");
+            assert_eq!(head_packed, dense.head.is_some(), "{arch} {f}: lm_head");
+            assert_eq!(
+                embeddings_packed,
+                dense.embeddings.is_some(),
+                "{arch} {f}: embeddings"
+            );
             let errors = q.errors();
             let dense_errors: Vec<_> = errors.iter().filter(|e| e.dense).collect();
             assert_eq!(dense_errors.len(), dense_records, "{arch} {f}");
@@ -126,7 +159,7 @@ fn dense_quantized_layouts_equal_dense_quantized_checkpoints() {
             let from_dir = logits(Arc::new(DirSource::open(&packed_dir).unwrap()));
             assert_eq!(from_layout, from_dir, "{arch} {f}");
             println!(
-                "{arch} {f}: {dense_records} dense projections quantized at layout time; logits equal the packed checkpoint's"
+                "{arch} {f}: {dense_records} resident weights quantized at layout time; logits equal the packed checkpoint's"
             );
         }
     }

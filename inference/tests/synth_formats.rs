@@ -12,7 +12,7 @@ use deltafin_formats::codec::{fp8_e4m3_to_f32, MXFP4_LUT};
 use deltafin_formats::quantize::{quantize_fp8_block, FP8_BLOCK, GROUP};
 use deltafin_formats::Dtype;
 use deltafin_inference::linear::{dequantize, QuantHints};
-use deltafin_inference::quantize::ExpertFormat;
+use deltafin_inference::quantize::{DenseFormats, ExpertFormat};
 use deltafin_inference::synth::presets::preset_config;
 use deltafin_inference::synth::{write_synth, SynthFormat};
 use deltafin_inference::weights::WeightSource;
@@ -285,7 +285,10 @@ fn dense_projections_packed_on_every_architecture() {
             (ExpertFormat::Int4, ExpertFormat::Q8),
             (ExpertFormat::Mxfp4, ExpertFormat::Int4),
         ] {
-            let f = SynthFormat::Packed { experts, dense };
+            let f = SynthFormat::Packed {
+                experts,
+                dense: DenseFormats::projections(dense),
+            };
             let dir = base.path().join(format!("{arch}-{f}"));
             synth(&dir, arch, f);
             let ck = Checkpoint::open(&dir).unwrap();

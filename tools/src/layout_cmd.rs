@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use deltafin_inference::family::expert_naming;
-use deltafin_inference::quantize::{ExpertFormat, QuantizeExperts, TensorQuantError};
+use deltafin_inference::quantize::{DenseFormats, ExpertFormat, QuantizeExperts, TensorQuantError};
 use deltafin_storage::checkpoint::Checkpoint;
 use deltafin_storage::expert_parts::skipped_tensors;
 use deltafin_storage::layout::{write_layout, ExpertTransform, LayoutOptions, DEFAULT_STRIPE_UNIT};
@@ -56,6 +56,13 @@ pub struct LayoutArgs {
     /// `quantize_errors.json` too.
     #[arg(long, value_name = "FORMAT", requires = "quantize_experts")]
     pub quantize_dense: Option<ExpertFormat>,
+    /// With --quantize-experts: lm_head too, in this format (selectable apart from the rest:
+    /// the head's error reaches every logit).
+    #[arg(long, value_name = "FORMAT", requires = "quantize_experts")]
+    pub quantize_head: Option<ExpertFormat>,
+    /// With --quantize-experts: the token embeddings too, in this format.
+    #[arg(long, value_name = "FORMAT", requires = "quantize_experts")]
+    pub quantize_embeddings: Option<ExpertFormat>,
     #[arg(long, short)]
     pub quiet: bool,
 }
@@ -135,11 +142,13 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
         );
     }
     let quant = a.quantize_experts.map(|f| {
-        let q = QuantizeExperts::new(f, naming.clone());
-        Arc::new(match a.quantize_dense {
-            Some(d) => q.with_dense(d),
-            None => q,
-        })
+        Arc::new(
+            QuantizeExperts::new(f, naming.clone()).with_dense(DenseFormats {
+                projections: a.quantize_dense,
+                head: a.quantize_head,
+                embeddings: a.quantize_embeddings,
+            }),
+        )
     });
     let opts = LayoutOptions {
         name,
@@ -180,7 +189,7 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
         let errors = q.errors();
         let report = serde_json::json!({
             "format": q.format.to_string(),
-            "dense_format": q.dense.map(|d| d.to_string()),
+            "dense_formats": q.dense.any().then(|| q.dense.to_string()),
             "layout_id": m.layout_id,
             "tensors": errors,
         });
@@ -189,9 +198,10 @@ pub fn run(a: &LayoutArgs) -> anyhow::Result<()> {
             let p = d.path.join(QUANT_ERRORS_FILE);
             std::fs::write(&p, &text).with_context(|| format!("writing {}", p.display()))?;
         }
-        let what = match q.dense {
-            Some(d) => format!("{} (non-expert projections: {d})", q.format),
-            None => q.format.to_string(),
+        let what = if q.dense.any() {
+            format!("{} (resident weights: {})", q.format, q.dense)
+        } else {
+            q.format.to_string()
         };
         print_summary(&what, &errors);
     }

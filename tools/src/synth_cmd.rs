@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use deltafin_inference::quantize::ExpertFormat;
+use deltafin_inference::quantize::{DenseFormats, ExpertFormat};
 use deltafin_inference::synth::presets::{apply_overrides, preset_config};
 use deltafin_inference::synth::{write_synth, SynthFormat};
 use deltafin_storage::checkpoint_writer::WriteOptions;
@@ -38,6 +38,13 @@ pub struct SynthArgs {
     /// BF16. Needs --format int4|mxfp4|q8 (the routed experts' format).
     #[arg(long, value_name = "FORMAT")]
     pub quantize_dense: Option<ExpertFormat>,
+    /// Also store lm_head packed (int4, mxfp4 or q8); needs --format int4|mxfp4|q8.
+    #[arg(long, value_name = "FORMAT")]
+    pub quantize_head: Option<ExpertFormat>,
+    /// Also store the token embeddings packed (int4, mxfp4 or q8); needs --format
+    /// int4|mxfp4|q8.
+    #[arg(long, value_name = "FORMAT")]
+    pub quantize_embeddings: Option<ExpertFormat>,
     /// Shard size (files are split like Hugging Face checkpoints, with an index).
     #[arg(long, default_value = "2GiB", value_parser = parse_size)]
     pub shard_size: u64,
@@ -57,10 +64,17 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<()> {
         shard_bytes: a.shard_size,
         force: a.force,
     };
-    let format = match (a.format, a.quantize_dense) {
-        (f, None) => f,
-        (SynthFormat::Experts(experts), Some(dense)) => SynthFormat::Packed { experts, dense },
-        (f, Some(_)) => anyhow::bail!("--quantize-dense does not combine with --format {f}"),
+    let dense = DenseFormats {
+        projections: a.quantize_dense,
+        head: a.quantize_head,
+        embeddings: a.quantize_embeddings,
+    };
+    let format = match (a.format, dense.any()) {
+        (f, false) => f,
+        (SynthFormat::Experts(experts), true) => SynthFormat::Packed { experts, dense },
+        (f, true) => anyhow::bail!(
+            "--quantize-dense/--quantize-head/--quantize-embeddings need --format int4|mxfp4|q8, not {f}"
+        ),
     };
     let s = write_synth(&a.out, &cfg, format, &opts, &Bar::new(a.quiet))
         .with_context(|| format!("writing {}", a.out.display()))?;

@@ -69,6 +69,64 @@ pub fn is_dense_projection(name: &str) -> bool {
         || prefix.contains("conv"))
 }
 
+/// Which resident (non-expert) weights are packed, and in which format: every projection
+/// ([`is_dense_projection`]; `--quantize-dense`), `lm_head` (`--quantize-head`) and the token
+/// embeddings (`--quantize-embeddings`), each chosen on its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DenseFormats {
+    pub projections: Option<ExpertFormat>,
+    pub head: Option<ExpertFormat>,
+    pub embeddings: Option<ExpertFormat>,
+}
+
+impl DenseFormats {
+    /// Every non-expert projection in `f`; head and embeddings as they are.
+    pub fn projections(f: ExpertFormat) -> DenseFormats {
+        DenseFormats {
+            projections: Some(f),
+            ..DenseFormats::default()
+        }
+    }
+
+    pub fn any(&self) -> bool {
+        self.projections.is_some() || self.head.is_some() || self.embeddings.is_some()
+    }
+
+    /// The format the resident weight `name` (`[rows, cols]`) is packed in, if any. One-row
+    /// matrices (K3's attention-residual queries, read as vectors) and columns the format
+    /// cannot group stay as they are.
+    pub fn format_for(&self, name: &str, rows: u64, cols: u64) -> Option<ExpertFormat> {
+        let prefix = name.strip_suffix(".weight")?;
+        let module = prefix.rsplit('.').next().unwrap_or("");
+        let f = if module == "lm_head" {
+            self.head
+        } else if module == "embed_tokens" {
+            self.embeddings
+        } else if is_dense_projection(name) {
+            self.projections
+        } else {
+            None
+        }?;
+        (rows > 1 && f.fits(cols)).then_some(f)
+    }
+}
+
+impl std::fmt::Display for DenseFormats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        for (what, v) in [
+            ("dense", self.projections),
+            ("head", self.head),
+            ("embeddings", self.embeddings),
+        ] {
+            if let Some(v) = v {
+                parts.push(format!("{what}-{v}"));
+            }
+        }
+        f.write_str(&parts.join("+"))
+    }
+}
+
 impl ExpertFormat {
     /// Whether a `[rows, cols]` matrix can be stored in this format.
     pub fn fits(self, cols: u64) -> bool {
@@ -146,13 +204,16 @@ impl ExpertFormat {
     }
 
     /// The `quantization_config` of a checkpoint whose routed experts are in this format and
-    /// every other projection in `dense` (only routers and `lm_head` ignored); a second config
-    /// group targets the non-expert projections when `dense` differs.
-    pub fn quantization_config_with_dense(self, dense: ExpertFormat) -> Value {
-        let mut q =
-            self.config_with_ignore(json!(["lm_head", "re:.*mlp\\.gate$", "re:.*\\.gate$"]));
-        if dense != self {
-            let d = dense.config_with_ignore(json!([]));
+    /// the resident weights `dense` names packed too (routers ignored; `lm_head` unless packed);
+    /// a second config group targets the non-expert projections when their format differs.
+    pub fn quantization_config_with_dense(self, dense: DenseFormats) -> Value {
+        let mut ignore = vec![json!("re:.*mlp\\.gate$"), json!("re:.*\\.gate$")];
+        if dense.head.is_none() {
+            ignore.insert(0, json!("lm_head"));
+        }
+        let mut q = self.config_with_ignore(Value::Array(ignore));
+        if let Some(d) = dense.projections.filter(|&d| d != self) {
+            let d = d.config_with_ignore(json!([]));
             if let (Some(groups), Some(g)) = (
                 q.get_mut("config_groups").and_then(Value::as_object_mut),
                 d.get("config_groups")

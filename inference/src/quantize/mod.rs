@@ -5,5 +5,7 @@
 pub mod expert_format;
 pub mod transform;
 
-pub use expert_format::{expert_only_ignore, fp8_quantization_config, ExpertFormat};
+pub use expert_format::{
+    expert_only_ignore, fp8_quantization_config, is_dense_projection, DenseFormats, ExpertFormat,
+};
 pub use transform::{QuantizeExperts, TensorQuantError};

@@ -11,7 +11,7 @@ use deltafin_storage::naming::ExpertNaming;
 use deltafin_storage::{Result, StorageError};
 use serde_json::Value;
 
-use crate::quantize::expert_format::{is_dense_projection, ExpertFormat};
+use crate::quantize::expert_format::{DenseFormats, ExpertFormat};
 
 /// Error of one quantized expert tensor.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -36,9 +36,9 @@ pub struct TensorQuantError {
 #[derive(Debug)]
 pub struct QuantizeExperts {
     pub format: ExpertFormat,
-    /// Also every non-expert projection ([`is_dense_projection`], two rows or more), in this
-    /// format (`layout --quantize-dense`).
-    pub dense: Option<ExpertFormat>,
+    /// Which resident weights to pack too (`layout --quantize-dense / --quantize-head /
+    /// --quantize-embeddings`).
+    pub dense: DenseFormats,
     /// Names the source tensors in the error report.
     naming: ExpertNaming,
     errors: Mutex<Vec<TensorQuantError>>,
@@ -48,31 +48,16 @@ impl QuantizeExperts {
     pub fn new(format: ExpertFormat, naming: ExpertNaming) -> QuantizeExperts {
         QuantizeExperts {
             format,
-            dense: None,
+            dense: DenseFormats::default(),
             naming,
             errors: Mutex::new(Vec::new()),
         }
     }
 
-    /// The non-expert projections too, in `dense`.
-    pub fn with_dense(mut self, dense: ExpertFormat) -> QuantizeExperts {
-        self.dense = Some(dense);
+    /// The resident weights `dense` names too.
+    pub fn with_dense(mut self, dense: DenseFormats) -> QuantizeExperts {
+        self.dense = dense;
         self
-    }
-
-    /// The matrix prefix, rows and columns of a resident tensor `--quantize-dense` packs.
-    fn dense_quantizable(&self, p: &PartSpec) -> Option<(ExpertFormat, String, u64, u64)> {
-        let dense = self.dense?;
-        let prefix = p.name.strip_suffix(".weight")?;
-        let float = matches!(p.dtype, Dtype::Bf16 | Dtype::F16 | Dtype::F32);
-        match p.shape[..] {
-            [rows, cols]
-                if float && rows > 1 && dense.fits(cols) && is_dense_projection(&p.name) =>
-            {
-                Some((dense, prefix.to_string(), rows, cols))
-            }
-            _ => None,
-        }
     }
 
     /// Every tensor quantized so far, in (layer, expert, part) order.
@@ -95,6 +80,19 @@ impl QuantizeExperts {
             [rows, cols] if float && self.format.fits(cols) => {
                 Some((prefix.to_string(), rows, cols))
             }
+            _ => None,
+        }
+    }
+
+    /// The format, matrix prefix, rows and columns of a resident tensor this transform packs.
+    fn dense_quantizable(&self, p: &PartSpec) -> Option<(ExpertFormat, String, u64, u64)> {
+        let prefix = p.name.strip_suffix(".weight")?;
+        let float = matches!(p.dtype, Dtype::Bf16 | Dtype::F16 | Dtype::F32);
+        match p.shape[..] {
+            [rows, cols] if float => self
+                .dense
+                .format_for(&p.name, rows, cols)
+                .map(|f| (f, prefix.to_string(), rows, cols)),
             _ => None,
         }
     }
@@ -237,9 +235,10 @@ impl ExpertTransform for QuantizeExperts {
             Some(&mut cfg)
         };
         if let Some(o) = target.and_then(Value::as_object_mut) {
-            let q = match self.dense {
-                Some(d) => self.format.quantization_config_with_dense(d),
-                None => self.format.quantization_config(),
+            let q = if self.dense.any() {
+                self.format.quantization_config_with_dense(self.dense)
+            } else {
+                self.format.quantization_config()
             };
             o.insert("quantization_config".into(), q);
         }
@@ -251,8 +250,8 @@ impl ExpertTransform for QuantizeExperts {
         let n = errs.len().max(1) as f64;
         let mut m = BTreeMap::new();
         m.insert("quantize_experts".into(), self.format.to_string());
-        if let Some(d) = self.dense {
-            m.insert("quantize_dense".into(), d.to_string());
+        if self.dense.any() {
+            m.insert("quantize_dense".into(), self.dense.to_string());
         }
         m.insert("quantize_tensors".into(), errs.len().to_string());
         let max_rel = errs.iter().fold(0f32, |a, e| a.max(e.rel_rms));

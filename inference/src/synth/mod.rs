@@ -27,7 +27,7 @@ use serde_json::Value;
 use crate::error::Result;
 use crate::family::expert_naming;
 pub use crate::quantize::expert_format::is_dense_projection;
-use crate::quantize::expert_format::{fp8_quantization_config, ExpertFormat};
+use crate::quantize::expert_format::{fp8_quantization_config, DenseFormats, ExpertFormat};
 
 /// The format `synth` writes weights in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -41,13 +41,14 @@ pub enum SynthFormat {
     /// Routed experts packed in this format (compressed-tensors for INT4 / MXFP4); the rest
     /// BF16.
     Experts(ExpertFormat),
-    /// Routed experts in `experts` and every other projection (attention, shared experts,
-    /// dense MLPs, latent projections) in `dense`; routers, norms, embeddings and `lm_head`
-    /// stay BF16 (`synth --format F --quantize-dense D`; llama.cpp's Q8_0 / Q4_K_M quantize
+    /// Routed experts in `experts` and the resident weights `dense` names packed too (every
+    /// other projection: attention, shared experts, dense MLPs, latent projections; `lm_head`;
+    /// the embeddings); routers and norms stay BF16 (`synth --format F --quantize-dense D
+    /// [--quantize-head H] [--quantize-embeddings E]`; llama.cpp's Q8_0 / Q4_K_M quantize
     /// these too).
     Packed {
         experts: ExpertFormat,
-        dense: ExpertFormat,
+        dense: DenseFormats,
     },
 }
 
@@ -71,7 +72,7 @@ impl std::fmt::Display for SynthFormat {
             SynthFormat::Bf16 => f.write_str("bf16"),
             SynthFormat::Fp8 => f.write_str("fp8"),
             SynthFormat::Experts(e) => e.fmt(f),
-            SynthFormat::Packed { experts, dense } => write!(f, "{experts}+dense-{dense}"),
+            SynthFormat::Packed { experts, dense } => write!(f, "{experts}+{dense}"),
         }
     }
 }
@@ -98,8 +99,7 @@ impl SynthFormat {
         cfg
     }
 
-    /// Whether the linear weight `name` `[_, cols]` is stored quantized.
-    /// One-row matrices (K3's attention-residual queries, read as vectors) stay as they are.
+    /// Whether the linear weight `name` `[rows, cols]` is stored quantized.
     fn quantizes(self, name: &str, rows: u64, cols: u64, is_expert: &dyn Fn(&str) -> bool) -> bool {
         let Some(prefix) = name.strip_suffix(".weight") else {
             return false;
@@ -109,22 +109,27 @@ impl SynthFormat {
             SynthFormat::Bf16 => false,
             SynthFormat::Fp8 => module.contains("_proj"),
             SynthFormat::Experts(_) | SynthFormat::Packed { .. } => {
-                self.packed_format(name, is_expert)
-                    .is_some_and(|f| f.fits(cols))
-                    && (rows > 1 || is_expert(name))
+                self.packed_format(name, rows, cols, is_expert).is_some()
             }
         }
     }
 
-    /// The packed format the 2-D weight `name` is stored in (`None`: kept as it is).
-    fn packed_format(self, name: &str, is_expert: &dyn Fn(&str) -> bool) -> Option<ExpertFormat> {
+    /// The packed format the 2-D weight `name` `[rows, cols]` is stored in (`None`: kept as
+    /// it is).
+    fn packed_format(
+        self,
+        name: &str,
+        rows: u64,
+        cols: u64,
+        is_expert: &dyn Fn(&str) -> bool,
+    ) -> Option<ExpertFormat> {
         match self {
-            SynthFormat::Experts(e) => is_expert(name).then_some(e),
+            SynthFormat::Experts(e) => (is_expert(name) && e.fits(cols)).then_some(e),
             SynthFormat::Packed { experts, dense } => {
                 if is_expert(name) {
-                    Some(experts)
+                    experts.fits(cols).then_some(experts)
                 } else {
-                    is_dense_projection(name).then_some(dense)
+                    dense.format_for(name, rows, cols)
                 }
             }
             SynthFormat::Bf16 | SynthFormat::Fp8 => None,
@@ -160,14 +165,14 @@ fn quantized_tensors(
             [r, c] => (r, c),
             _ => (0, 0),
         };
-        if !matches!(t.fill, Fill::Linear { .. })
+        if !matches!(t.fill, Fill::Linear { .. } | Fill::Uniform(_))
             || !format.quantizes(&t.spec.name, rows, cols, is_expert)
         {
             out.push(t);
             continue;
         }
         let prefix = t.spec.name.trim_end_matches(".weight").to_string();
-        let packed = format.packed_format(&t.spec.name, is_expert);
+        let packed = format.packed_format(&t.spec.name, rows, cols, is_expert);
         let parts: Vec<TensorSpec> = match format {
             SynthFormat::Fp8 => vec![
                 TensorSpec::new(format!("{prefix}.weight"), Dtype::F8E4m3, &[rows, cols]),
