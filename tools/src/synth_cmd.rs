@@ -20,7 +20,9 @@ pub struct SynthArgs {
     /// Architecture: deepseek_v3 or qwen3_moe.
     #[arg(long, default_value = "deepseek_v3")]
     pub arch: String,
-    /// Size preset: tiny (tests), small, medium (~2 GB), large (~12 GB), xl (~40 GB).
+    /// Size preset: tiny (tests), small, medium (~2 GB), large (~12 GB), xl (~40 GB); k3-width
+    /// (kimi_k3 only: K3's real widths with 4 layers, 64 experts, a 32K vocabulary; ~9 GB
+    /// with --format mxfp4).
     #[arg(long, default_value = "small")]
     pub preset: String,
     /// Override any config.json field: --set n_routed_experts=128 --set q_lora_rank=null
