@@ -9,6 +9,7 @@ mod demo;
 mod generate;
 mod layout_cmd;
 mod logits_cmd;
+mod plan_cmd;
 mod progress;
 mod serve;
 mod speculative_cmd;
@@ -55,6 +56,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The RAM plan and predicted decode and time-to-first-token of a model on a machine (RAM
+    /// size, drives' read rates), from its config.json alone, with the cost model written out.
+    Plan(plan_cmd::PlanArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -109,5 +113,6 @@ fn run(command: &Command) -> anyhow::Result<()> {
         Command::Template(a) => template_cmd::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Chat(a) => chat_cmd::run(a),
+        Command::Plan(a) => plan_cmd::run(a),
     }
 }

@@ -5,6 +5,7 @@ pub mod budget;
 pub mod measure;
 pub mod memory;
 pub mod open;
+pub mod plan;
 
 pub use budget::{plan_budget, Budget};
 pub use measure::{measure_generation, GenStep, Measured};

@@ -1,0 +1,603 @@
+//! `deltafin plan`: from a model's config alone (or a layout's), a RAM size and the drives'
+//! read rates, the RAM plan and the predicted decode time per token and time to first token,
+//! with the cost model spelled out.
+//!
+//! The model (every term is in the report):
+//! - **Bytes by kind** from the config's tensor list (`synth::tensors`, the same names and
+//!   shapes a checkpoint of that config holds), routed experts in the config's packed format,
+//!   the rest BF16 unless `dense` packs it (as `layout --quantize-dense` would).
+//! - **RAM**: a reserve for the OS and the runtime, the per-sequence state for the context,
+//!   scratch; then the non-expert weights by benefit per byte (every per-layer weight and the
+//!   head are read every token: 1 byte saved per byte held; the embeddings only one row per
+//!   token: last), then the expert cache with the rest. What does not fit is read from the
+//!   drives every token.
+//! - **Hit rate**: the cache spread evenly over the MoE layers; routing assumed uniform and
+//!   independent between tokens, so a layer caching `c` of its `E` experts hits `c / E` (real
+//!   routing is skewed and repeats, so this is a floor; `hit_rate` overrides it).
+//! - **Decode**: I/O time = (missed expert bytes + streamed non-expert bytes) per token over
+//!   the drives' summed rate times their efficiency (striped reads measured 0.96 of the sum on
+//!   4 emulated drives); compute time = the bytes every token touches over this machine's
+//!   measured matrix-vector rate for their format; time per token = the larger (reads overlap
+//!   compute: measured 0.79-0.83 of it at a 40% memory cap, benches/results/vs_llamacpp_cap.json).
+//! - **TTFT**: one chunk of the prompt reads every expert some position routes to once per
+//!   layer (`E (1 - (1 - k/E)^P)` expected) and the non-expert weights once; compute is the
+//!   prompt's multiply-adds, by format, over the measured 32-input matrix-product rates.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use deltafin_formats::quantize::{quantize_int4, quantize_mxfp4, quantize_q8};
+use deltafin_formats::{ScaleType, WeightFormat};
+use deltafin_storage::naming::TensorRole;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::ModelConfig;
+use crate::error::{InferenceError, Result};
+use crate::family::expert_naming;
+use crate::kernels::KernelConfig;
+use crate::linear::matrix::WeightMatrix;
+use crate::quantize::{DenseFormats, ExpertFormat};
+
+/// How a plan is asked for.
+#[derive(Clone, Debug)]
+pub struct PlanInput {
+    pub ram_bytes: u64,
+    /// Read rate of each drive, bytes/s.
+    pub drive_bw: Vec<f64>,
+    /// Context the per-sequence state is reserved for.
+    pub context: usize,
+    /// Prompt length for the time to first token.
+    pub prompt: usize,
+    /// Non-expert weights packed as `layout --quantize-dense/-head/-embeddings` would.
+    pub dense: DenseFormats,
+    /// Fraction of the drives' summed rate striped reads reach.
+    pub io_efficiency: f64,
+    /// Expert cache hit rate to assume instead of the uniform-routing one.
+    pub hit_rate: Option<f64>,
+}
+
+/// This machine's compute rates, measured ([`calibrate`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct ComputeRates {
+    /// Matrix-vector products streaming weights from DRAM, bytes/s, per format name.
+    pub matvec_bytes_per_s: BTreeMap<String, f64>,
+    /// Matrix products of 32 inputs (prefill), multiply-adds/s, per format name.
+    pub matmul_macs_per_s: BTreeMap<String, f64>,
+    pub kernels: String,
+    pub threads: usize,
+}
+
+/// What the model holds, from its config.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelBytes {
+    pub model_type: String,
+    pub layers: usize,
+    pub moe_layers: usize,
+    pub experts_per_layer: usize,
+    pub experts_per_token: usize,
+    /// One routed expert (all its matrices), per MoE layer.
+    pub expert_bytes: u64,
+    pub expert_format: String,
+    /// Every routed expert of every layer.
+    pub experts_total: u64,
+    /// Per-layer non-expert weights (attention, norms, routers, shared experts, dense MLPs,
+    /// latent projections), all layers.
+    pub layer_resident: u64,
+    pub head: u64,
+    pub embeddings: u64,
+    /// Bytes read per token by format name (non-expert weights and the token's experts; the
+    /// embeddings' one row left out).
+    pub touched_per_token_by_format: BTreeMap<String, u64>,
+    /// Multiply-adds per token (the same weights), total and by format name.
+    pub macs_per_token: u64,
+    pub macs_per_token_by_format: BTreeMap<String, u64>,
+    /// Per-sequence state: bytes per position and fixed.
+    pub state_per_position: u64,
+    pub state_fixed: u64,
+}
+
+/// The plan and its prediction.
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub model: ModelBytes,
+    pub ram_bytes: u64,
+    pub reserve_bytes: u64,
+    pub state_bytes: u64,
+    pub scratch_bytes: u64,
+    /// Non-expert weights held in RAM, and read from the drives every token.
+    pub resident_bytes: u64,
+    pub streamed_nonexpert_bytes_per_token: u64,
+    pub embeddings_resident: bool,
+    pub expert_cache_bytes: u64,
+    pub cached_experts_per_layer: f64,
+    pub hit_rate: f64,
+    pub hit_rate_assumed: String,
+    pub drive_bw: Vec<f64>,
+    pub io_efficiency: f64,
+    pub expert_bytes_per_token: u64,
+    pub read_bytes_per_token: u64,
+    pub decode_io_s: f64,
+    pub decode_compute_s: f64,
+    pub decode_s_per_token: f64,
+    pub tokens_per_s: f64,
+    pub prompt: usize,
+    pub prefill_read_bytes: u64,
+    pub prefill_io_s: f64,
+    pub prefill_compute_s: f64,
+    pub ttft_s: f64,
+    pub rates: ComputeRates,
+}
+
+/// The packed format a config's routed experts are stored in (`None`: as the dtype says).
+fn expert_format_of(config: &Value) -> Option<ExpertFormat> {
+    let text = config.get("text_config").unwrap_or(config);
+    let q = text.get("quantization_config")?;
+    let format = q.get("format").and_then(Value::as_str).unwrap_or("");
+    match format {
+        "pack-quantized" => Some(ExpertFormat::Int4),
+        "mxfp4-pack-quantized" => Some(ExpertFormat::Mxfp4),
+        "q8-group" => Some(ExpertFormat::Q8),
+        _ => None,
+    }
+}
+
+fn is_fp8(config: &Value) -> bool {
+    let text = config.get("text_config").unwrap_or(config);
+    text.get("quantization_config")
+        .and_then(|q| q.get("quant_method"))
+        .and_then(Value::as_str)
+        == Some("fp8")
+}
+
+/// Bytes of a `[rows, cols]` weight in `f`.
+fn packed_bytes(f: ExpertFormat, rows: u64, cols: u64) -> u64 {
+    f.parts("w", rows, cols).iter().map(|p| p.len).sum()
+}
+
+/// What a config's model holds and reads per token.
+pub fn model_bytes(config: &Value, dense: DenseFormats) -> Result<ModelBytes> {
+    let cfg = ModelConfig::from_json(config)?;
+    let naming = expert_naming(config)?;
+    let tensors = crate::synth::tensors::tensors_for(config)?;
+    let experts_format = expert_format_of(config);
+    let fp8 = is_fp8(config);
+    let layers = cfg.num_hidden_layers();
+    let top_k = cfg.experts_per_token();
+    let mut per_expert: BTreeMap<(u32, u32), u64> = BTreeMap::new();
+    let mut expert_tensor_format = String::from("bf16");
+    let (mut layer_resident, mut head, mut embeddings) = (0u64, 0u64, 0u64);
+    let mut touched: BTreeMap<String, u64> = BTreeMap::new();
+    let mut macs_by: BTreeMap<String, u64> = BTreeMap::new();
+    let mut expert_macs_by_layer: BTreeMap<u32, u64> = BTreeMap::new();
+    for t in &tensors {
+        let name = t.spec.name.as_str();
+        let shape = &t.spec.shape;
+        let elems: u64 = shape.iter().product();
+        let (rows, cols) = match shape[..] {
+            [r, c] => (r, c),
+            _ => (0, 0),
+        };
+        let fp8_proj = fp8 && name.ends_with("_proj.weight") && rows > 0;
+        match naming.role(name) {
+            TensorRole::Expert { layer, expert, .. } => {
+                let (bytes, fmt) = match (experts_format, fp8_proj) {
+                    (Some(f), _) if rows > 0 && f.fits(cols) => {
+                        (packed_bytes(f, rows, cols), f.to_string())
+                    }
+                    (_, true) => (
+                        elems + rows.div_ceil(128) * cols.div_ceil(128) * 4,
+                        "fp8".into(),
+                    ),
+                    _ => (t.spec.byte_len(), "bf16".into()),
+                };
+                expert_tensor_format = fmt;
+                *per_expert.entry((layer, expert)).or_default() += bytes;
+                if expert == 0 {
+                    *expert_macs_by_layer.entry(layer).or_default() += elems;
+                }
+            }
+            TensorRole::FusedExperts { .. } | TensorRole::Skipped => {}
+            TensorRole::Resident => {
+                let packed = if rows > 0 {
+                    dense.format_for(name, rows, cols)
+                } else {
+                    None
+                };
+                let (bytes, fmt) = match packed {
+                    Some(f) => (packed_bytes(f, rows, cols), f.to_string()),
+                    None if fp8_proj => (
+                        elems + rows.div_ceil(128) * cols.div_ceil(128) * 4,
+                        "fp8".into(),
+                    ),
+                    None => (t.spec.byte_len(), t.spec.dtype.to_string().to_lowercase()),
+                };
+                let module = name
+                    .trim_end_matches(".weight")
+                    .rsplit('.')
+                    .next()
+                    .unwrap_or("");
+                if module == "embed_tokens" {
+                    embeddings += bytes;
+                    continue;
+                }
+                if module == "lm_head" {
+                    head += bytes;
+                } else {
+                    layer_resident += bytes;
+                }
+                if rows > 0 {
+                    *macs_by.entry(fmt.clone()).or_default() += elems;
+                }
+                *touched.entry(fmt).or_default() += bytes;
+            }
+        }
+    }
+    // A tied head is the embedding matrix read whole every token.
+    if head == 0 {
+        head = embeddings;
+        *touched.entry("bf16".into()).or_default() += embeddings;
+    }
+    let moe_layers: Vec<u32> = {
+        let mut v: Vec<u32> = per_expert.keys().map(|&(l, _)| l).collect();
+        v.dedup();
+        v
+    };
+    let experts_per_layer = per_expert
+        .keys()
+        .filter(|(l, _)| Some(l) == moe_layers.first())
+        .count();
+    let expert_bytes = per_expert.values().copied().max().unwrap_or(0);
+    let experts_total: u64 = per_expert.values().sum();
+    *touched.entry(expert_tensor_format.clone()).or_default() +=
+        expert_bytes * top_k as u64 * moe_layers.len() as u64;
+    *macs_by.entry(expert_tensor_format.clone()).or_default() +=
+        expert_macs_by_layer.values().sum::<u64>() * top_k as u64;
+    let (state_per_position, state_fixed) = state_bytes(&cfg);
+    Ok(ModelBytes {
+        model_type: cfg.model_type().to_string(),
+        layers,
+        moe_layers: moe_layers.len(),
+        experts_per_layer,
+        experts_per_token: top_k,
+        expert_bytes,
+        expert_format: expert_tensor_format,
+        experts_total,
+        layer_resident,
+        head,
+        embeddings,
+        touched_per_token_by_format: touched,
+        macs_per_token: macs_by.values().sum(),
+        macs_per_token_by_format: macs_by,
+        state_per_position,
+        state_fixed,
+    })
+}
+
+/// Per-sequence state of a config's model: bytes per position and fixed, as the mixers hold
+/// it (MLA: latent + rope key per position; GQA: keys and values; KDA: the recurrent state
+/// and the convolution tails, twice for rollback). Checked against the loaded models' own
+/// figures in the tests.
+fn state_bytes(cfg: &ModelConfig) -> (u64, u64) {
+    const F: u64 = 4;
+    match cfg {
+        ModelConfig::DeepseekV3(c) => (
+            c.num_hidden_layers as u64 * (c.kv_lora_rank + c.qk_rope_head_dim) as u64 * F,
+            0,
+        ),
+        ModelConfig::Qwen3Moe(c) => (
+            c.num_hidden_layers as u64 * 2 * (c.num_key_value_heads * c.head_dim) as u64 * F,
+            0,
+        ),
+        ModelConfig::Kimi(c) => {
+            let mut per_pos = 0u64;
+            let mut fixed = 0u64;
+            for l in 0..c.num_hidden_layers {
+                if c.kda_layers.contains(&l) {
+                    let ch = (c.kda_num_heads * c.kda_head_dim) as u64;
+                    let s = ch * c.kda_head_dim as u64;
+                    let tail = 3 * ch * c.short_conv_kernel_size.saturating_sub(1) as u64;
+                    fixed += (2 * s + 2 * tail) * F;
+                } else {
+                    per_pos += (c.kv_lora_rank + c.qk_rope_head_dim) as u64 * F;
+                }
+            }
+            (per_pos, fixed)
+        }
+    }
+}
+
+/// Measure this machine's kernels for `formats` (names as [`ExpertFormat`] and `bf16`):
+/// matrix-vector products over a 256 MiB ring of 4096x4096 matrices (weights from DRAM, as
+/// decode reads them) and 32-input products of one matrix (prefill). About a second.
+pub fn calibrate(formats: &[String]) -> ComputeRates {
+    let kernels = KernelConfig::default();
+    let (rows, cols) = (4096usize, 4096usize);
+    let mut seed = 0x9e37_79b9u64;
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+        })
+        .collect();
+    let mut matvec = BTreeMap::new();
+    let mut matmul = BTreeMap::new();
+    for name in formats {
+        let (format, data, scale, st) = match name.as_str() {
+            "q8" => {
+                let q = quantize_q8(&w, rows, cols, 32);
+                (
+                    WeightFormat::Q8 { group: 32 },
+                    q.data,
+                    q.scale,
+                    ScaleType::F16,
+                )
+            }
+            "int4" => {
+                let q = quantize_int4(&w, rows, cols, 32);
+                (
+                    WeightFormat::Int4 { group: 32 },
+                    q.data,
+                    q.scale,
+                    ScaleType::Bf16,
+                )
+            }
+            "mxfp4" => {
+                let q = quantize_mxfp4(&w, rows, cols, 32);
+                (
+                    WeightFormat::Mxfp4 { group: 32 },
+                    q.data,
+                    q.scale,
+                    ScaleType::E8m0,
+                )
+            }
+            _ => (
+                WeightFormat::Bf16,
+                w.iter()
+                    .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+                Vec::new(),
+                ScaleType::None,
+            ),
+        };
+        // Enough copies that the ring does not fit any cache.
+        let copies = ((256usize << 20) / data.len().max(1)).max(2);
+        let ring: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
+        let mats: Vec<WeightMatrix<'_>> = ring
+            .iter()
+            .filter_map(|d| {
+                WeightMatrix::new(rows, cols, format, d, &scale, st)
+                    .ok()
+                    .map(|m| m.with_kernels(kernels))
+            })
+            .collect();
+        let x: Vec<f32> = (0..32 * cols)
+            .map(|i| ((i % 97) as f32 - 48.0) / 64.0)
+            .collect();
+        let mut out = vec![0f32; 32 * rows];
+        // Warm-up pass, then timed passes over the ring.
+        for m in &mats {
+            m.matmul(&x[..cols], 1, &mut out[..rows]);
+        }
+        let t = Instant::now();
+        let passes = 3;
+        for _ in 0..passes {
+            for m in &mats {
+                m.matmul(&x[..cols], 1, &mut out[..rows]);
+            }
+        }
+        let secs = t.elapsed().as_secs_f64().max(1e-9);
+        matvec.insert(
+            name.clone(),
+            (passes * mats.len() * data.len()) as f64 / secs,
+        );
+        if let Some(m) = mats.first() {
+            m.matmul(&x, 32, &mut out);
+            let t = Instant::now();
+            let reps = 4;
+            for _ in 0..reps {
+                m.matmul(&x, 32, &mut out);
+            }
+            let secs = t.elapsed().as_secs_f64().max(1e-9);
+            matmul.insert(name.clone(), (reps * 32 * rows * cols) as f64 / secs);
+        }
+    }
+    ComputeRates {
+        matvec_bytes_per_s: matvec,
+        matmul_macs_per_s: matmul,
+        kernels: format!("{:?}", kernels.isa),
+        threads: rayon::current_num_threads(),
+    }
+}
+
+/// The formats a model's touched weights are in (what [`calibrate`] needs to measure).
+pub fn formats_of(model: &ModelBytes) -> Vec<String> {
+    model.touched_per_token_by_format.keys().cloned().collect()
+}
+
+/// The plan for `model` under `input`, on `rates`.
+pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result<Plan> {
+    if input.drive_bw.is_empty() || input.drive_bw.iter().any(|b| !b.is_finite() || *b <= 0.0) {
+        return Err(InferenceError::InvalidArgument(
+            "give every drive's read rate (--drive-bw), at least one".into(),
+        ));
+    }
+    let ram = input.ram_bytes;
+    // The OS, the binary, allocator slack and I/O buffers.
+    let reserve = (1u64 << 30).max(ram / 25);
+    let state = model.state_per_position * input.context as u64 + model.state_fixed;
+    let scratch = 256u64 << 20;
+    let mut left = ram.saturating_sub(reserve + state + scratch);
+    // Non-expert weights by benefit per byte: the per-layer weights and the head (read whole
+    // every token), then the embeddings (one row per token).
+    let mut resident = 0u64;
+    let mut streamed = 0u64;
+    for bytes in [model.layer_resident, model.head] {
+        let keep = bytes.min(left);
+        resident += keep;
+        left -= keep;
+        streamed += bytes - keep;
+    }
+    let embeddings_resident = model.embeddings <= left;
+    if embeddings_resident {
+        resident += model.embeddings;
+        left -= model.embeddings;
+    }
+    let cache = left;
+    let moe_layers = model.moe_layers.max(1) as f64;
+    let cached_per_layer = if model.expert_bytes == 0 {
+        0.0
+    } else {
+        (cache as f64 / moe_layers / model.expert_bytes as f64).min(model.experts_per_layer as f64)
+    };
+    let (hit, assumed) = match input.hit_rate {
+        Some(h) => (h.clamp(0.0, 1.0), "given".to_string()),
+        None => (
+            cached_per_layer / model.experts_per_layer.max(1) as f64,
+            "uniform, independent routing: cached experts per layer / experts per layer".into(),
+        ),
+    };
+    let expert_per_token =
+        model.expert_bytes * model.experts_per_token as u64 * model.moe_layers as u64;
+    let read = ((1.0 - hit) * expert_per_token as f64) as u64 + streamed;
+    let bw: f64 = input.drive_bw.iter().sum::<f64>() * input.io_efficiency;
+    let io_s = read as f64 / bw;
+    let mut compute_s = 0.0;
+    for (fmt, bytes) in &model.touched_per_token_by_format {
+        let rate = rates
+            .matvec_bytes_per_s
+            .get(fmt)
+            .or_else(|| rates.matvec_bytes_per_s.get("bf16"))
+            .copied()
+            .unwrap_or(10e9);
+        compute_s += *bytes as f64 / rate;
+    }
+    let decode_s = io_s.max(compute_s);
+    // Prefill: one chunk of the prompt.
+    let p = input.prompt.max(1) as f64;
+    let e = model.experts_per_layer.max(1) as f64;
+    let k = model.experts_per_token as f64;
+    let touched_experts = e * (1.0 - (1.0 - k / e).powf(p));
+    let missed = touched_experts * (1.0 - hit);
+    let prefill_read = (missed * moe_layers * model.expert_bytes as f64) as u64 + streamed;
+    let prefill_io = prefill_read as f64 / bw;
+    let mut prefill_compute = 0.0;
+    for (fmt, macs) in &model.macs_per_token_by_format {
+        let rate = rates
+            .matmul_macs_per_s
+            .get(fmt)
+            .or_else(|| rates.matmul_macs_per_s.get("bf16"))
+            .copied()
+            .unwrap_or(50e9);
+        prefill_compute += p * *macs as f64 / rate;
+    }
+    let ttft = prefill_io.max(prefill_compute);
+    Ok(Plan {
+        ram_bytes: ram,
+        reserve_bytes: reserve,
+        state_bytes: state,
+        scratch_bytes: scratch,
+        resident_bytes: resident,
+        streamed_nonexpert_bytes_per_token: streamed,
+        embeddings_resident,
+        expert_cache_bytes: cache,
+        cached_experts_per_layer: cached_per_layer,
+        hit_rate: hit,
+        hit_rate_assumed: assumed,
+        drive_bw: input.drive_bw.clone(),
+        io_efficiency: input.io_efficiency,
+        expert_bytes_per_token: expert_per_token,
+        read_bytes_per_token: read,
+        decode_io_s: io_s,
+        decode_compute_s: compute_s,
+        decode_s_per_token: decode_s,
+        tokens_per_s: 1.0 / decode_s.max(1e-12),
+        prompt: input.prompt,
+        prefill_read_bytes: prefill_read,
+        prefill_io_s: prefill_io,
+        prefill_compute_s: prefill_compute,
+        ttft_s: ttft,
+        model,
+        rates,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::synth::presets::{preset_config, SYNTH_ARCHS};
+    use crate::synth::{write_synth, SynthFormat};
+    use crate::weights::WeightSource;
+    use deltafin_storage::checkpoint_writer::WriteOptions;
+    use deltafin_storage::layout::NoProgress;
+
+    /// The plan's byte counts are the checkpoint's, and its state sizes the loaded model's.
+    #[test]
+    fn bytes_and_state_match_real_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        for arch in SYNTH_ARCHS {
+            for format in [SynthFormat::Bf16, SynthFormat::Experts(ExpertFormat::Mxfp4)] {
+                let d = dir.path().join(format!("{arch}-{format}"));
+                let cfg = preset_config(arch, "tiny").unwrap();
+                let opts = WriteOptions {
+                    seed: 1,
+                    shard_bytes: 1 << 30,
+                    force: false,
+                };
+                let s = write_synth(&d, &cfg, format, &opts, &NoProgress).unwrap();
+                let src = crate::DirSource::open(&d).unwrap();
+                let written: Value = src.config().clone();
+                let m = model_bytes(&written, DenseFormats::default()).unwrap();
+                assert_eq!(m.experts_total, s.expert_bytes, "{arch} {format}");
+                let model = crate::Model::load(std::sync::Arc::new(src)).unwrap();
+                assert_eq!(
+                    m.state_per_position,
+                    model.state_bytes_per_position(),
+                    "{arch}"
+                );
+                assert_eq!(m.state_fixed, model.fixed_state_bytes(), "{arch}");
+                let all = m.experts_total + m.layer_resident + m.head + m.embeddings;
+                assert!(
+                    all <= s.bytes && all * 10 >= s.bytes * 9,
+                    "{arch} {format}: {all} of {}",
+                    s.bytes
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ram_goes_to_the_spine_first_then_the_cache() {
+        let cfg = preset_config("kimi_k3", "k3-width").unwrap();
+        let m = model_bytes(&cfg, DenseFormats::default()).unwrap();
+        let rates = ComputeRates {
+            matvec_bytes_per_s: [("bf16".to_string(), 20e9)].into(),
+            matmul_macs_per_s: [("bf16".to_string(), 50e9)].into(),
+            kernels: "test".into(),
+            threads: 1,
+        };
+        let input = |ram: u64| PlanInput {
+            ram_bytes: ram,
+            drive_bw: vec![1e9, 1e9],
+            context: 4096,
+            prompt: 512,
+            dense: DenseFormats::default(),
+            io_efficiency: 1.0,
+            hit_rate: None,
+        };
+        let spine = m.layer_resident + m.head;
+        let small = plan(m.clone(), &input(spine / 2), rates.clone()).unwrap();
+        assert!(small.streamed_nonexpert_bytes_per_token > 0 && small.expert_cache_bytes == 0);
+        assert_eq!(small.hit_rate, 0.0);
+        let big = plan(m.clone(), &input(64 << 30), rates.clone()).unwrap();
+        assert_eq!(big.streamed_nonexpert_bytes_per_token, 0);
+        assert!(big.hit_rate > 0.99, "{}", big.hit_rate);
+        assert!(big.decode_s_per_token < small.decode_s_per_token);
+        // Twice the drives, half the read time.
+        let mut two = input(spine / 2);
+        two.drive_bw = vec![1e9; 4];
+        let p2 = plan(m, &two, rates).unwrap();
+        assert!((p2.decode_io_s * 2.0 - small.decode_io_s).abs() < 1e-9);
+    }
+}
