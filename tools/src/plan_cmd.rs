@@ -46,6 +46,10 @@ pub struct PlanArgs {
     /// Expert cache hit rate to assume (default: uniform independent routing, a floor).
     #[arg(long)]
     pub hit_rate: Option<f64>,
+    /// Predict the average over a generation of this many tokens from a cold expert cache
+    /// (prompt included) instead of the steady state.
+    #[arg(long)]
+    pub tokens: Option<usize>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -123,6 +127,7 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         dense,
         io_efficiency: a.io_efficiency,
         hit_rate: a.hit_rate,
+        tokens: a.tokens,
     };
     let p = plan(model, &input, rates)?;
     if a.json {
@@ -162,7 +167,11 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         a.context
     );
     println!("RAM plan ({}):", human(p.ram_bytes));
-    println!("  reserve (OS, runtime) {:>10}", human(p.reserve_bytes));
+    println!(
+        "  reserve (OS, runtime) {:>10}  (the rest is `generate --ram-budget {}`)",
+        human(p.reserve_bytes),
+        p.ram_budget_bytes
+    );
     println!(
         "  state + scratch       {:>10}",
         human(p.state_bytes + p.scratch_bytes)

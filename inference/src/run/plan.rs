@@ -55,6 +55,9 @@ pub struct PlanInput {
     pub io_efficiency: f64,
     /// Expert cache hit rate to assume instead of the uniform-routing one.
     pub hit_rate: Option<f64>,
+    /// Tokens of the generation the prediction averages over, from a cold cache (`None`: the
+    /// steady state of a long one).
+    pub tokens: Option<usize>,
 }
 
 /// This machine's compute rates, measured ([`calibrate`]).
@@ -103,6 +106,8 @@ pub struct Plan {
     pub model: ModelBytes,
     pub ram_bytes: u64,
     pub reserve_bytes: u64,
+    /// What `generate --ram-budget` gets for this plan: the RAM less the reserve.
+    pub ram_budget_bytes: u64,
     pub state_bytes: u64,
     pub scratch_bytes: u64,
     /// Non-expert weights held in RAM, and read from the drives every token.
@@ -450,12 +455,29 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
     } else {
         (cache as f64 / moe_layers / model.expert_bytes as f64).min(model.experts_per_layer as f64)
     };
-    let (hit, assumed) = match input.hit_rate {
-        Some(h) => (h.clamp(0.0, 1.0), "given".to_string()),
-        None => (
-            cached_per_layer / model.experts_per_layer.max(1) as f64,
-            "uniform, independent routing: cached experts per layer / experts per layer".into(),
+    let e = model.experts_per_layer.max(1) as f64;
+    let k = model.experts_per_token as f64;
+    let (hit, assumed) = match (input.hit_rate, input.tokens) {
+        (Some(h), _) => (h.clamp(0.0, 1.0), "given".to_string()),
+        (None, None) => (
+            cached_per_layer / e,
+            "uniform, independent routing: cached experts per layer / experts per layer \
+             (steady state)"
+                .into(),
         ),
+        (None, Some(t)) => {
+            // From a cold cache: each of the cached share's experts misses once, when a
+            // token first routes to it (`E (1 - (1 - k/E)^T)` distinct in `T` tokens).
+            let t = t.max(1) as f64;
+            let distinct = e * (1.0 - (1.0 - k / e).powf(t));
+            (
+                cached_per_layer / e * (1.0 - distinct / (t * k)).max(0.0),
+                format!(
+                    "uniform, independent routing, {t} tokens from a cold cache: \
+                     (cached / experts) x (1 - distinct experts touched / lookups)"
+                ),
+            )
+        }
     };
     let expert_per_token =
         model.expert_bytes * model.experts_per_token as u64 * model.moe_layers as u64;
@@ -475,8 +497,6 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
     let decode_s = io_s.max(compute_s);
     // Prefill: one chunk of the prompt.
     let p = input.prompt.max(1) as f64;
-    let e = model.experts_per_layer.max(1) as f64;
-    let k = model.experts_per_token as f64;
     let touched_experts = e * (1.0 - (1.0 - k / e).powf(p));
     let missed = touched_experts * (1.0 - hit);
     let prefill_read = (missed * moe_layers * model.expert_bytes as f64) as u64 + streamed;
@@ -495,6 +515,7 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
     Ok(Plan {
         ram_bytes: ram,
         reserve_bytes: reserve,
+        ram_budget_bytes: ram.saturating_sub(reserve),
         state_bytes: state,
         scratch_bytes: scratch,
         resident_bytes: resident,
@@ -585,6 +606,7 @@ mod tests {
             dense: DenseFormats::default(),
             io_efficiency: 1.0,
             hit_rate: None,
+            tokens: None,
         };
         let spine = m.layer_resident + m.head;
         let small = plan(m.clone(), &input(spine / 2), rates.clone()).unwrap();
@@ -594,6 +616,12 @@ mod tests {
         assert_eq!(big.streamed_nonexpert_bytes_per_token, 0);
         assert!(big.hit_rate > 0.99, "{}", big.hit_rate);
         assert!(big.decode_s_per_token < small.decode_s_per_token);
+        // A short run from a cold cache misses each cached expert once: 32 tokens of top-8
+        // over 64 experts touch 63.1 of them per layer in 256 lookups.
+        let mut cold = input(64 << 30);
+        cold.tokens = Some(32);
+        let c = plan(m.clone(), &cold, rates.clone()).unwrap();
+        assert!((c.hit_rate - (1.0 - 64.0 * (1.0 - (56.0f64 / 64.0).powi(32)) / 256.0)).abs() < 1e-9);
         // Twice the drives, half the read time.
         let mut two = input(spine / 2);
         two.drive_bw = vec![1e9; 4];

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 16: `deltafin plan`'s predicted decode tokens/s against the measured one, on the
+# k3-width synth (Kimi K3's widths, MXFP4 experts) laid out striped over 1, 2 and 4 emulated
+# drives (blkio-throttled loop devices), at three RAM sizes. For each: plan --ram R with one
+# --drive-bw per drive at the throttle, then `generate` with the --ram-budget the plan gives
+# the runtime (R less its reserve); the plan predicts the average over the run's tokens from a
+# cold expert cache (--tokens), as the run measures it. Writes benches/results/plan_accuracy.json.
+#
+#   sudo benches/plan_accuracy.sh [--bps 419430400] [--rams 7.5G,8.5G,10G] [--drives 1,2,4]
+#        [--new-tokens 32]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+ORIG_ARGS="$*"
+BPS=$((400 * 1024 * 1024)); RAMS=7.5G,8.5G,10G; COUNTS=1,2,4; NEW=32
+while [ $# -gt 0 ]; do
+    case $1 in
+        --bps) BPS=$2; shift 2 ;;
+        --rams) RAMS=$2; shift 2 ;;
+        --drives) COUNTS=$2; shift 2 ;;
+        --new-tokens) NEW=$2; shift 2 ;;
+        *) echo "unknown option $1" >&2; exit 2 ;;
+    esac
+done
+source "$here/emulated_drives.sh"
+export BENCH_CMD="benches/plan_accuracy.sh $ORIG_ARGS"
+bin=${DELTAFIN_BIN:-}
+if [ -z "$bin" ]; then
+    cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
+    bin="$repo/target/release/deltafin"
+fi
+model=${BENCH_WORK:-/var/tmp/deltafin-bench-model}/k3-width-mxfp4
+[ -f "$model/config.json" ] || "$bin" synth --out "$model" --arch kimi_k3 --preset k3-width --format mxfp4 --force -q
+IFS=, read -r -a counts <<< "$COUNTS"
+IFS=, read -r -a rams <<< "$RAMS"
+max=0; for n in "${counts[@]}"; do [ "$n" -gt "$max" ] && max=$n; done
+drives_setup "$max" 10 "$BPS"
+raw=$(mktemp)
+prompt=$(python3 -c "print(','.join(str(7 + 131 * i % 30000) for i in range(8)))")
+for n in "${counts[@]}"; do
+    args=(); bws=()
+    for ((i = 0; i < n; i++)); do args+=(--drive "$BENCH_MNT/d$i"); bws+=(--drive-bw "$BPS"); done
+    "$bin" layout --model "$model" "${args[@]}" --mode stripe --name k3w --force -q >&2
+    for ram in "${rams[@]}"; do
+        # The run's length from a cold cache: the prompt and every generated token.
+        "$bin" plan --model "$BENCH_MNT/d0/k3w" --ram "$ram" "${bws[@]}" --tokens $((NEW + 8)) \
+            --json > "$raw.plan"
+        budget=$(python3 -c "import json; print(json.load(open('$raw.plan'))['ram_budget_bytes'])")
+        drop_caches
+        in_throttled "$bin" generate --model "$BENCH_MNT/d0/k3w" --prompt-ids "$prompt" -n "$NEW" \
+            --ignore-eos --ram-budget "$budget" --json -q 2>/dev/null | tail -1 > "$raw.gen"
+        python3 - "$raw.plan" "$raw.gen" "$n" "$ram" >> "$raw" <<'PY'
+import json, sys
+p, g = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+measured = 1.0 / g["decode_s_per_token"]
+print(json.dumps({"drives": int(sys.argv[3]), "ram": sys.argv[4], "ram_budget_bytes": p["ram_budget_bytes"],
+    "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": measured,
+    "error": p["tokens_per_s"] / measured - 1.0,
+    "predicted_hit_rate": p["hit_rate"], "measured_hit_rate": g.get("expert_cache_hit_rate"),
+    "predicted_read_bytes_per_token": p["read_bytes_per_token"], "measured_read_bytes_per_token": g.get("bytes_read_per_token"),
+    "predicted_io_s": p["decode_io_s"], "predicted_compute_s": p["decode_compute_s"],
+    "peak_rss_bytes": g.get("peak_rss_bytes")}))
+PY
+    done
+    for ((i = 0; i < n; i++)); do rm -rf "$BENCH_MNT/d$i/k3w"; done
+done
+python3 - "$raw" "$repo/benches/results/plan_accuracy.json" "$BPS" <<'PY'
+import json, sys, os, datetime
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+doc = {"benchmark": "plan_accuracy", "date": datetime.datetime.utcnow().isoformat() + "Z",
+       "command": os.environ.get("BENCH_CMD", ""), "model": "kimi_k3 k3-width synth, MXFP4 experts",
+       "throttle_bytes_per_s_per_drive": int(sys.argv[3]),
+       "max_abs_error": max(abs(r["error"]) for r in rows) if rows else None, "rows": rows}
+json.dump(doc, open(sys.argv[2], "w"), indent=1)
+for r in rows:
+    print(f"{r['drives']} drive(s) RAM {r['ram']:>5}: predicted {r['predicted_tokens_per_s']:.2f} tok/s, measured {r['measured_tokens_per_s']:.2f} ({100*r['error']:+.0f}%); hit rate {r['predicted_hit_rate']:.2f} vs {r['measured_hit_rate']}")
+PY
+rm -f "$raw" "$raw.plan" "$raw.gen"
