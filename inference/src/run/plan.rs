@@ -621,7 +621,9 @@ mod tests {
         let mut cold = input(64 << 30);
         cold.tokens = Some(32);
         let c = plan(m.clone(), &cold, rates.clone()).unwrap();
-        assert!((c.hit_rate - (1.0 - 64.0 * (1.0 - (56.0f64 / 64.0).powi(32)) / 256.0)).abs() < 1e-9);
+        assert!(
+            (c.hit_rate - (1.0 - 64.0 * (1.0 - (56.0f64 / 64.0).powi(32)) / 256.0)).abs() < 1e-9
+        );
         // Twice the drives, half the read time.
         let mut two = input(spine / 2);
         two.drive_bw = vec![1e9; 4];
