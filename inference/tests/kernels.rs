@@ -575,10 +575,8 @@ fn matmul_jobs_equal_separate_calls() {
     }
 }
 
-/// AVX-512 without VNNI makes `vpdpbusd`'s integers from `vpmaddubsw` / `vpmaddwd`: every
-/// 16-bit-path output equals the VNNI kernels' bit for bit (matrix-vector and matrix products,
-/// every integer format, short and long rows, Q8's codes up to 255 included). Runs where both
-/// are available (an AVX-512 VNNI machine runs the other path too).
+/// AVX-512 without VNNI (`vpmaddubsw` / `vpmaddwd`) equals the VNNI kernels bit for bit on the
+/// 16-bit path: products of 1-9 inputs, every integer format (Q8's codes to 255), all tails.
 #[test]
 fn avx512_without_vnni_equals_vnni() {
     if !(Isa::Avx512.available() && Isa::Avx512Bw.available()) {

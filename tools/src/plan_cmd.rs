@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use deltafin_inference::quantize::{DenseFormats, ExpertFormat};
-use deltafin_inference::run::plan::{calibrate, formats_of, model_bytes, plan, PlanInput};
+use deltafin_inference::run::calibrate::calibrate;
+use deltafin_inference::run::plan::{formats_of, model_bytes, plan, PlanInput};
 use deltafin_storage::manifest::Manifest;
 
 use crate::util::{human, machine, parse_size};

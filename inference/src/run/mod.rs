@@ -2,6 +2,7 @@
 //! ([`budget`], [`memory`]), and measure a generation ([`measure`]).
 
 pub mod budget;
+pub mod calibrate;
 pub mod measure;
 pub mod memory;
 pub mod open;

@@ -1,0 +1,116 @@
+//! The compute rates `deltafin plan` predicts with, measured on this machine in about a second:
+//! each format's matrix-vector products streaming weights from DRAM (decode) and 32-input
+//! products (prefill), on the kernels the runtime would use.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use deltafin_formats::quantize::{quantize_int4, quantize_mxfp4, quantize_q8};
+use deltafin_formats::{ScaleType, WeightFormat};
+
+use crate::kernels::KernelConfig;
+use crate::linear::matrix::WeightMatrix;
+use crate::run::plan::ComputeRates;
+
+/// Measure this machine's kernels for `formats` (names as [`ExpertFormat`] and `bf16`):
+/// matrix-vector products over a 256 MiB ring of 4096x4096 matrices (weights from DRAM, as
+/// decode reads them) and 32-input products of one matrix (prefill). About a second.
+pub fn calibrate(formats: &[String]) -> ComputeRates {
+    let kernels = KernelConfig::default();
+    let (rows, cols) = (4096usize, 4096usize);
+    let mut seed = 0x9e37_79b9u64;
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+        })
+        .collect();
+    let mut matvec = BTreeMap::new();
+    let mut matmul = BTreeMap::new();
+    for name in formats {
+        let (format, data, scale, st) = match name.as_str() {
+            "q8" => {
+                let q = quantize_q8(&w, rows, cols, 32);
+                (
+                    WeightFormat::Q8 { group: 32 },
+                    q.data,
+                    q.scale,
+                    ScaleType::F16,
+                )
+            }
+            "int4" => {
+                let q = quantize_int4(&w, rows, cols, 32);
+                (
+                    WeightFormat::Int4 { group: 32 },
+                    q.data,
+                    q.scale,
+                    ScaleType::Bf16,
+                )
+            }
+            "mxfp4" => {
+                let q = quantize_mxfp4(&w, rows, cols, 32);
+                (
+                    WeightFormat::Mxfp4 { group: 32 },
+                    q.data,
+                    q.scale,
+                    ScaleType::E8m0,
+                )
+            }
+            _ => (
+                WeightFormat::Bf16,
+                w.iter()
+                    .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+                Vec::new(),
+                ScaleType::None,
+            ),
+        };
+        // Enough copies that the ring does not fit any cache.
+        let copies = ((256usize << 20) / data.len().max(1)).max(2);
+        let ring: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
+        let mats: Vec<WeightMatrix<'_>> = ring
+            .iter()
+            .filter_map(|d| {
+                WeightMatrix::new(rows, cols, format, d, &scale, st)
+                    .ok()
+                    .map(|m| m.with_kernels(kernels))
+            })
+            .collect();
+        let x: Vec<f32> = (0..32 * cols)
+            .map(|i| ((i % 97) as f32 - 48.0) / 64.0)
+            .collect();
+        let mut out = vec![0f32; 32 * rows];
+        // Warm-up pass, then timed passes over the ring.
+        for m in &mats {
+            m.matmul(&x[..cols], 1, &mut out[..rows]);
+        }
+        let t = Instant::now();
+        let passes = 3;
+        for _ in 0..passes {
+            for m in &mats {
+                m.matmul(&x[..cols], 1, &mut out[..rows]);
+            }
+        }
+        let secs = t.elapsed().as_secs_f64().max(1e-9);
+        matvec.insert(
+            name.clone(),
+            (passes * mats.len() * data.len()) as f64 / secs,
+        );
+        if let Some(m) = mats.first() {
+            m.matmul(&x, 32, &mut out);
+            let t = Instant::now();
+            let reps = 4;
+            for _ in 0..reps {
+                m.matmul(&x, 32, &mut out);
+            }
+            let secs = t.elapsed().as_secs_f64().max(1e-9);
+            matmul.insert(name.clone(), (reps * 32 * rows * cols) as f64 / secs);
+        }
+    }
+    ComputeRates {
+        matvec_bytes_per_s: matvec,
+        matmul_macs_per_s: matmul,
+        kernels: format!("{:?}", kernels.isa),
+        threads: rayon::current_num_threads(),
+    }
+}
