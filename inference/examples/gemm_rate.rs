@@ -2,9 +2,9 @@
 //! (bf16 | q8 | int4): GMAC/s of `WeightMatrix::matmul` on in-cache weights, median of 20.
 use std::time::Instant;
 
-use deltafin_formats::quantize as quant;
 use deltafin_inference::kernels::KernelConfig;
-use deltafin_inference::linear::{ScaleType, WeightFormat, WeightMatrix};
+use deltafin_inference::linear::WeightMatrix;
+use deltafin_inference::run::calibrate::packed_matrix;
 
 fn main() {
     let a: Vec<String> = std::env::args().collect();
@@ -21,34 +21,7 @@ fn main() {
     };
     let w: Vec<f32> = (0..rows * cols).map(|_| r() * 0.1).collect();
     let x: Vec<f32> = (0..n * cols).map(|_| r()).collect();
-    let (format, data, scale, st) = match fmt.as_str() {
-        "q8" => {
-            let q = quant::quantize_q8(&w, rows, cols, 32);
-            (
-                WeightFormat::Q8 { group: 32 },
-                q.data,
-                q.scale,
-                ScaleType::F16,
-            )
-        }
-        "int4" => {
-            let q = quant::quantize_int4(&w, rows, cols, 32);
-            (
-                WeightFormat::Int4 { group: 32 },
-                q.data,
-                q.scale,
-                ScaleType::Bf16,
-            )
-        }
-        _ => (
-            WeightFormat::Bf16,
-            w.iter()
-                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-                .collect(),
-            Vec::new(),
-            ScaleType::None,
-        ),
-    };
+    let (format, data, scale, st) = packed_matrix(&fmt, &w, rows, cols);
     let m = WeightMatrix::new(rows, cols, format, &data, &scale, st)
         .expect("matrix")
         .with_kernels(KernelConfig::default());

@@ -395,7 +395,11 @@ pub(crate) fn rows_task(
             // A multiple of four inputs (the 16-bit tile's width; the f32 tile takes two).
             let chunk = (L1_INPUT_BYTES / per_input).max(4) / 4 * 4;
             let pairs_end = first + (nr - first) / 2 * 2;
-            let (st, sb) = (m.scale_type(), group_scale_bytes(m, r0, r0 + nr));
+            let (st, sb) = if raw_pairs {
+                (m.scale_type(), group_scale_bytes(m, r0, r0 + nr))
+            } else {
+                (m.scale_type(), &[][..])
+            };
             let raw_per_row = sb.len() / nr.max(1);
             let raw = |i: usize| {
                 x86_avx512::BlockScales::Raw(&sb[i * raw_per_row..(i + 1) * raw_per_row], st)

@@ -12,6 +12,54 @@ use crate::kernels::KernelConfig;
 use crate::linear::matrix::WeightMatrix;
 use crate::run::plan::ComputeRates;
 
+/// `w` (`[rows, cols]`) stored in the format named `name` (`q8`, `int4`, `mxfp4`, anything
+/// else BF16), group 32: the format, weight bytes, scale bytes and scale type a
+/// [`WeightMatrix`] takes.
+pub fn packed_matrix(
+    name: &str,
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+) -> (WeightFormat, Vec<u8>, Vec<u8>, ScaleType) {
+    match name {
+        "q8" => {
+            let q = quantize_q8(w, rows, cols, 32);
+            (
+                WeightFormat::Q8 { group: 32 },
+                q.data,
+                q.scale,
+                ScaleType::F16,
+            )
+        }
+        "int4" => {
+            let q = quantize_int4(w, rows, cols, 32);
+            (
+                WeightFormat::Int4 { group: 32 },
+                q.data,
+                q.scale,
+                ScaleType::Bf16,
+            )
+        }
+        "mxfp4" => {
+            let q = quantize_mxfp4(w, rows, cols, 32);
+            (
+                WeightFormat::Mxfp4 { group: 32 },
+                q.data,
+                q.scale,
+                ScaleType::E8m0,
+            )
+        }
+        _ => (
+            WeightFormat::Bf16,
+            w.iter()
+                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+                .collect(),
+            Vec::new(),
+            ScaleType::None,
+        ),
+    }
+}
+
 /// Measure this machine's kernels for `formats` (names as [`ExpertFormat`] and `bf16`):
 /// matrix-vector products over a 256 MiB ring of 4096x4096 matrices (weights from DRAM, as
 /// decode reads them) and 32-input products of one matrix (prefill). About a second.
@@ -28,43 +76,7 @@ pub fn calibrate(formats: &[String]) -> ComputeRates {
     let mut matvec = BTreeMap::new();
     let mut matmul = BTreeMap::new();
     for name in formats {
-        let (format, data, scale, st) = match name.as_str() {
-            "q8" => {
-                let q = quantize_q8(&w, rows, cols, 32);
-                (
-                    WeightFormat::Q8 { group: 32 },
-                    q.data,
-                    q.scale,
-                    ScaleType::F16,
-                )
-            }
-            "int4" => {
-                let q = quantize_int4(&w, rows, cols, 32);
-                (
-                    WeightFormat::Int4 { group: 32 },
-                    q.data,
-                    q.scale,
-                    ScaleType::Bf16,
-                )
-            }
-            "mxfp4" => {
-                let q = quantize_mxfp4(&w, rows, cols, 32);
-                (
-                    WeightFormat::Mxfp4 { group: 32 },
-                    q.data,
-                    q.scale,
-                    ScaleType::E8m0,
-                )
-            }
-            _ => (
-                WeightFormat::Bf16,
-                w.iter()
-                    .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-                    .collect(),
-                Vec::new(),
-                ScaleType::None,
-            ),
-        };
+        let (format, data, scale, st) = packed_matrix(name, &w, rows, cols);
         // Enough copies that the ring does not fit any cache.
         let copies = ((256usize << 20) / data.len().max(1)).max(2);
         let ring: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
