@@ -15,13 +15,15 @@ use deltafin_storage::backend::IoBackend;
 use deltafin_storage::engine::HashCheck;
 use deltafin_storage::manifest::{Manifest, RecordTensor};
 use deltafin_storage::store::{
-    CachePolicy, ExpertBatch, ExpertStore, LoadProgress, ResidentSet, StoreOptions, StoreStats,
+    CachePolicy, ExpertBatch, ExpertStore, LandedGroup, LoadProgress, ResidentSet, StoreOptions,
+    StoreStats, StreamGroup, StreamStats,
 };
 use deltafin_storage::stripe::Mode;
 use deltafin_storage::StorageError;
 
 use crate::error::{InferenceError, Result};
 use crate::linear::bytes::WeightBytes;
+use crate::streamed_layer::{streamable_layers, StreamableLayers, StreamedLayerSource};
 use crate::weights::{
     ExpertCallback, ExpertGroupCallback, ExpertPartRef, ExpertView, TensorRef, WeightSource,
 };
@@ -43,6 +45,10 @@ pub struct LayoutSourceOptions {
     pub resident_in_flight: usize,
     /// The I/O backend (O_DIRECT files by default; fault injection in tests).
     pub backend: Arc<dyn IoBackend>,
+    /// Streamed layers: groups read ahead of the one in use.
+    pub stream_ahead: usize,
+    /// Streamed layers: smaller resident records stay resident.
+    pub min_streamed_record: u64,
 }
 
 impl Default for LayoutSourceOptions {
@@ -55,6 +61,8 @@ impl Default for LayoutSourceOptions {
             hash_check: s.hash_check,
             resident_in_flight: 64,
             backend: s.backend,
+            stream_ahead: 1,
+            min_streamed_record: crate::streamed_layer::MIN_STREAMED_RECORD,
         }
     }
 }
@@ -64,6 +72,13 @@ impl Default for LayoutSourceOptions {
 pub struct LayoutSource {
     store: ExpertStore,
     resident: ResidentSet,
+    /// Streamed decoder layers, in the store's group order.
+    streamed: Vec<usize>,
+    /// What each layer could stream (from the manifest).
+    streamable: StreamableLayers,
+    /// Tensors under these name prefixes stay resident when the rest is released (a streamed
+    /// layer's small tensors, read again at every rebuild).
+    keep_prefixes: Vec<String>,
 }
 
 /// A store error as the forward pass reports it (naming the layer and expert).
@@ -164,6 +179,18 @@ impl LayoutSource {
         options: &LayoutSourceOptions,
         on_progress: &mut dyn FnMut(&LoadProgress),
     ) -> Result<LayoutSource> {
+        Self::open_streaming(path, options, &mut |_| Ok(Vec::new()), on_progress)
+    }
+
+    /// [`LayoutSource::open_with_progress`], streaming the decoder layers `choose` picks from
+    /// what each could stream: their matrices are not loaded but read for every forward
+    /// ([`WeightSource::layer_weights`]), `stream_ahead` layers ahead.
+    pub fn open_streaming(
+        path: &Path,
+        options: &LayoutSourceOptions,
+        choose: &mut dyn FnMut(&StreamableLayers) -> Result<Vec<usize>>,
+        on_progress: &mut dyn FnMut(&LoadProgress),
+    ) -> Result<LayoutSource> {
         let store = ExpertStore::open(
             path,
             &StoreOptions {
@@ -175,15 +202,80 @@ impl LayoutSource {
                 ..StoreOptions::default()
             },
         )?;
+        let naming = crate::family::expert_naming(&store.manifest().config)?;
+        let streamable = streamable_layers(
+            store.manifest(),
+            &naming.layers_prefix,
+            options.min_streamed_record,
+        );
+        let mut streamed = choose(&streamable)?;
+        streamed.sort_unstable();
+        streamed.dedup();
+        let mut groups = Vec::with_capacity(streamed.len());
+        for &l in &streamed {
+            let w = streamable.layer(l).ok_or_else(|| {
+                InferenceError::InvalidArgument(format!(
+                    "decoder layer {l} has no weights that can be streamed"
+                ))
+            })?;
+            groups.push(StreamGroup {
+                name: format!("layer {l}"),
+                records: w.records.clone(),
+            });
+        }
+        let skip: std::collections::HashSet<usize> = groups
+            .iter()
+            .flat_map(|g| g.records.iter().copied())
+            .collect();
+        store.stream_groups(groups, options.stream_ahead.max(1));
+        let keep_prefixes = streamed
+            .iter()
+            .map(|l| format!("{}{l}.", naming.layers_prefix))
+            .collect();
         let resident = store
-            .read_resident(options.resident_in_flight, on_progress)
+            .read_resident_except(
+                options.resident_in_flight,
+                &|i| skip.contains(&i),
+                on_progress,
+            )
             .map_err(|e| match e {
                 StorageError::ResidentRead { record, source } => {
                     InferenceError::ResidentRead { record, source }
                 }
                 e => InferenceError::Storage(e),
             })?;
-        Ok(LayoutSource { store, resident })
+        Ok(LayoutSource {
+            store,
+            resident,
+            streamed,
+            streamable,
+            keep_prefixes,
+        })
+    }
+
+    /// What each decoder layer could stream.
+    pub fn streamable(&self) -> &StreamableLayers {
+        &self.streamable
+    }
+
+    /// Bytes of one streamed layer's weights, the largest (0 when nothing is streamed).
+    pub fn largest_streamed_layer(&self) -> u64 {
+        self.streamed
+            .iter()
+            .filter_map(|&l| self.streamable.layer(l))
+            .map(|w| w.bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The streamed layers and the stream's counters.
+    pub fn stream_stats(&self) -> StreamStats {
+        self.store.stream_stats().1
+    }
+
+    /// A streamed layer's buffers back to the stream (see [`StreamedLayerSource`]).
+    pub(crate) fn give_back_layer(&self, landed: LandedGroup) {
+        self.store.give_back_group(landed);
     }
 
     pub fn manifest(&self) -> &Manifest {
@@ -318,7 +410,31 @@ impl WeightSource for LayoutSource {
     }
 
     fn release_resident(&mut self) {
-        // Keep the counters (bytes, load time) for the statistics; free the buffers.
-        self.resident.release();
+        // Keep the counters (bytes, load time) for the statistics; free the buffers, but not
+        // a streamed layer's small tensors: every rebuild of the layer reads them again.
+        let keep = &self.keep_prefixes;
+        self.resident
+            .release_except(&|name| keep.iter().any(|p| name.starts_with(p.as_str())));
+    }
+
+    fn streamed_layers(&self) -> Vec<usize> {
+        self.streamed.clone()
+    }
+
+    fn layer_weights(
+        &self,
+        layer: usize,
+        wait: bool,
+    ) -> Result<Option<Box<dyn WeightSource + '_>>> {
+        let Some(g) = self.streamed.iter().position(|&l| l == layer) else {
+            return Ok(None);
+        };
+        let landed = self.store.take_group(g, wait).map_err(|e| match e {
+            StorageError::ResidentRead { record, source } => {
+                InferenceError::ResidentRead { record, source }
+            }
+            e => InferenceError::Storage(e),
+        })?;
+        Ok(landed.map(|l| Box::new(StreamedLayerSource::new(self, l)) as Box<dyn WeightSource>))
     }
 }

@@ -94,11 +94,12 @@ pub mod run;
 pub mod sampler;
 pub mod snapshot;
 pub mod speculative;
+pub mod streamed_layer;
 pub mod synth;
 pub mod weights;
 
 pub use config::{DeepseekV3Config, HiddenAct, ModelConfig, Qwen3MoeConfig, RopeParameters};
-pub use deltafin_storage::store::{CachePolicy, FetchStats, LoadProgress, StoreStats};
+pub use deltafin_storage::store::{CachePolicy, FetchStats, LoadProgress, StoreStats, StreamStats};
 pub use error::{ConfigError, InferenceError, Result};
 pub use generate::{generate, GenerateConfig, GenerateOutput, StopReason};
 pub use kernels::KernelConfig;

@@ -309,7 +309,7 @@ pub fn decode(bytes: &[u8], model: &Model, hash: &[u8; 32]) -> SnapshotResult<(S
     {
         let (states, len) = session.restore_parts();
         for (i, (state, layer)) in states.iter_mut().zip(model.layers()).enumerate() {
-            let widths = layer.mixer.state_widths().ok_or_else(|| {
+            let widths = layer.state_widths().ok_or_else(|| {
                 SnapshotError::Unsupported(format!("layer {i}'s mixer has no snapshot hook"))
             })?;
             let count = r.u32("array count")? as usize;
@@ -334,7 +334,7 @@ pub fn decode(bytes: &[u8], model: &Model, hash: &[u8; 32]) -> SnapshotResult<(S
                     .collect();
                 arrays.push(data);
             }
-            let sizes = layer.mixer.fixed_state_sizes();
+            let sizes = layer.fixed_state_sizes();
             let mut fixed = Vec::with_capacity(sizes.len());
             if version >= 3 {
                 let count = r.u32("fixed array count")? as usize;

@@ -149,6 +149,25 @@ pub trait WeightSource: Send + Sync {
         None
     }
 
+    /// Decoder layers whose weights this source does not hold but reads for every use
+    /// ([`WeightSource::layer_weights`]); the default: none.
+    fn streamed_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// The weights of streamed decoder layer `layer`, as a source to build the layer from
+    /// (its tensors, and everything else as this source has it). `wait`: wait for them;
+    /// otherwise `None` unless they have already been read. They are held until the returned
+    /// source is dropped (drop what was built from it first, so its buffers can be reused).
+    /// The default streams nothing: `None`.
+    fn layer_weights(
+        &self,
+        _layer: usize,
+        _wait: bool,
+    ) -> Result<Option<Box<dyn WeightSource + '_>>> {
+        Ok(None)
+    }
+
     /// Whether a resident tensor exists. The default asks [`WeightSource::tensor`].
     fn has_tensor(&self, name: &str) -> bool {
         self.tensor(name).is_ok()

@@ -12,7 +12,8 @@ use crate::ffn::feed_forward::FeedForward;
 use crate::ffn::moe::{ExpertMatrixNames, MoeFfn, RoutedExperts};
 use crate::ffn::router::NoauxTcRouter;
 use crate::loader::Loader;
-use crate::model::ModelParts;
+use crate::arch::LayerBuilder;
+use crate::model::{DecoderLayer, LayerSlot, ModelParts};
 use crate::ops::Activation;
 use crate::rope::{yarn_get_mscale, Rope, RopeLayout};
 
@@ -40,29 +41,45 @@ pub fn deepseek_rope_and_scale(c: &DeepseekV3Config) -> Result<(Rope, f32)> {
     Ok((rope, scale as f32))
 }
 
-pub(crate) fn build_deepseek_v3(
-    c: &DeepseekV3Config,
-    ld: Loader<'_>,
-    config: ModelConfig,
-) -> Result<ModelParts> {
-    let hd = c.hidden_size;
-    let act: Arc<dyn Activation> = Arc::new(c.hidden_act);
-    let (rope, scale) = deepseek_rope_and_scale(c)?;
-    let dims = MlaDims {
-        hidden: hd,
-        heads: c.num_attention_heads,
-        q_lora_rank: c.q_lora_rank,
-        qk_nope_head_dim: c.qk_nope_head_dim,
-        qk_rope_head_dim: c.qk_rope_head_dim,
-        v_head_dim: c.v_head_dim,
-        kv_lora_rank: c.kv_lora_rank,
-        bias: c.attention_bias,
-    };
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for l in 0..c.num_hidden_layers {
+/// DeepSeek-V3's decoder layers: what every layer shares, computed once.
+#[derive(Debug)]
+pub(crate) struct DeepseekLayers {
+    c: DeepseekV3Config,
+    act: Arc<dyn Activation>,
+    rope: Rope,
+    scale: f32,
+}
+
+impl DeepseekLayers {
+    pub(crate) fn new(c: &DeepseekV3Config) -> Result<DeepseekLayers> {
+        let (rope, scale) = deepseek_rope_and_scale(c)?;
+        Ok(DeepseekLayers {
+            c: c.clone(),
+            act: Arc::new(c.hidden_act),
+            rope,
+            scale,
+        })
+    }
+}
+
+impl LayerBuilder for DeepseekLayers {
+    fn layer(&self, ld: &Loader<'_>, l: usize) -> Result<DecoderLayer> {
+        let c = &self.c;
+        let hd = c.hidden_size;
+        let act = &self.act;
+        let dims = MlaDims {
+            hidden: hd,
+            heads: c.num_attention_heads,
+            q_lora_rank: c.q_lora_rank,
+            qk_nope_head_dim: c.qk_nope_head_dim,
+            qk_rope_head_dim: c.qk_rope_head_dim,
+            v_head_dim: c.v_head_dim,
+            kv_lora_rank: c.kv_lora_rank,
+            bias: c.attention_bias,
+        };
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
-        let mixer = mla_attention(&ld, &a, &dims, Some(rope.clone()), scale, None)?;
+        let mixer = mla_attention(ld, &a, &dims, Some(self.rope.clone()), self.scale, None)?;
         let ffn: Box<dyn FeedForward> = if c.is_moe_layer(l) {
             let m = format!("{p}.mlp");
             let e = c.n_routed_experts;
@@ -80,11 +97,11 @@ pub(crate) fn build_deepseek_v3(
             };
             let shared = if c.n_shared_experts > 0 {
                 Some(dense_mlp(
-                    &ld,
+                    ld,
                     &format!("{m}.shared_experts"),
                     hd,
                     c.moe_intermediate_size * c.n_shared_experts,
-                    &act,
+                    act,
                 )?)
             } else {
                 None
@@ -105,35 +122,36 @@ pub(crate) fn build_deepseek_v3(
             })
         } else {
             check_dense(
-                &ld,
+                ld,
                 l,
                 &format!("{p}.mlp"),
                 "n_routed_experts / first_k_dense_replace / moe_layer_freq",
             )?;
             Box::new(dense_mlp(
-                &ld,
+                ld,
                 &format!("{p}.mlp"),
                 hd,
                 c.intermediate_size,
-                &act,
+                act,
             )?)
         };
-        layers.push(decoder_layer(
-            &ld,
-            &p,
-            l,
-            hd,
-            c.rms_norm_eps,
-            Box::new(mixer),
-            ffn,
-        )?);
+        decoder_layer(ld, &p, l, hd, c.rms_norm_eps, Box::new(mixer), ffn)
     }
+}
+
+/// The parts around DeepSeek-V3's decoder layers.
+pub(crate) fn deepseek_v3_parts(
+    c: &DeepseekV3Config,
+    ld: &Loader<'_>,
+    config: ModelConfig,
+    layers: Vec<LayerSlot>,
+) -> Result<ModelParts> {
     model_parts(
-        &ld,
+        ld,
         config,
         layers,
         c.vocab_size,
-        hd,
+        c.hidden_size,
         c.tie_word_embeddings,
         c.rms_norm_eps,
     )

@@ -18,7 +18,8 @@ use crate::loader::Loader;
 use crate::mixer::kda::{ForgetGate, KdaAttention, KdaOutputGate};
 use crate::mixer::{MlaAttention, TokenMixer};
 use crate::model::attn_res::{AttnRes, AttnResQuery};
-use crate::model::decoder::ModelParts;
+use crate::arch::LayerBuilder;
+use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
 use crate::model::residual::{AddResidual, ResidualMixer};
 use crate::ops::{Activation, Situ};
 
@@ -198,51 +199,70 @@ fn attn_res(ld: &Loader<'_>, c: &KimiConfig, block_size: usize) -> Result<AttnRe
     })
 }
 
-pub(crate) fn build_kimi(
-    c: &KimiConfig,
-    ld: Loader<'_>,
-    config: ModelConfig,
-) -> Result<ModelParts> {
-    let hd = c.hidden_size;
-    let act: Arc<dyn Activation> = match c.act {
-        KimiAct::Silu => Arc::new(crate::config::HiddenAct::Silu),
-        KimiAct::Situ { beta, linear_beta } => Arc::new(Situ {
-            beta: beta as f32,
-            linear_beta: linear_beta.map(|b| b as f32),
-        }),
-    };
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for l in 0..c.num_hidden_layers {
+/// Kimi's decoder layers: what every layer shares, computed once.
+#[derive(Debug)]
+pub(crate) struct KimiLayers {
+    c: KimiConfig,
+    act: Arc<dyn Activation>,
+}
+
+impl KimiLayers {
+    pub(crate) fn new(c: &KimiConfig) -> KimiLayers {
+        let act: Arc<dyn Activation> = match c.act {
+            KimiAct::Silu => Arc::new(crate::config::HiddenAct::Silu),
+            KimiAct::Situ { beta, linear_beta } => Arc::new(Situ {
+                beta: beta as f32,
+                linear_beta: linear_beta.map(|b| b as f32),
+            }),
+        };
+        KimiLayers { c: c.clone(), act }
+    }
+}
+
+impl LayerBuilder for KimiLayers {
+    fn layer(&self, ld: &Loader<'_>, l: usize) -> Result<DecoderLayer> {
+        let (c, act) = (&self.c, &self.act);
+        let hd = c.hidden_size;
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
         let mixer: Box<dyn TokenMixer> = if c.is_kda_layer(l) {
-            Box::new(kda(&ld, &a, c)?)
+            Box::new(kda(ld, &a, c)?)
         } else {
-            Box::new(mla(&ld, &a, c)?)
+            Box::new(mla(ld, &a, c)?)
         };
         let ffn: Box<dyn FeedForward> = if c.is_moe_layer(l) {
-            Box::new(moe(&ld, &format!("{p}.block_sparse_moe"), c, &act)?)
+            Box::new(moe(ld, &format!("{p}.block_sparse_moe"), c, act)?)
         } else {
             check_dense(
-                &ld,
+                ld,
                 l,
                 &format!("{p}.block_sparse_moe"),
                 "num_experts / first_k_dense_replace / moe_layer_freq",
             )?;
             Box::new(dense_mlp(
-                &ld,
+                ld,
                 &format!("{p}.mlp"),
                 hd,
                 c.intermediate_size,
-                &act,
+                act,
             )?)
         };
-        layers.push(decoder_layer(&ld, &p, l, hd, c.rms_norm_eps, mixer, ffn)?);
+        decoder_layer(ld, &p, l, hd, c.rms_norm_eps, mixer, ffn)
     }
+}
+
+/// The parts around Kimi's decoder layers (K3: the Attention Residuals).
+pub(crate) fn kimi_parts(
+    c: &KimiConfig,
+    ld: &Loader<'_>,
+    config: ModelConfig,
+    layers: Vec<LayerSlot>,
+) -> Result<ModelParts> {
+    let hd = c.hidden_size;
     let (embed_tokens, lm_head) =
-        embeddings_and_head(&ld, c.vocab_size, hd, c.tie_word_embeddings)?;
+        embeddings_and_head(ld, c.vocab_size, hd, c.tie_word_embeddings)?;
     let residual: Box<dyn ResidualMixer> = match c.attn_res_block_size {
-        Some(s) => Box::new(attn_res(&ld, c, s)?),
+        Some(s) => Box::new(attn_res(ld, c, s)?),
         None => Box::new(AddResidual),
     };
     Ok(ModelParts {

@@ -10,7 +10,7 @@ use crate::ffn::feed_forward::FeedForward;
 use crate::linear::owned::Linear;
 use crate::loader::Loader;
 use crate::mixer::{MlaAttention, QProj, TokenMixer};
-use crate::model::{AddResidual, DecoderLayer, ModelParts};
+use crate::model::{AddResidual, DecoderLayer, LayerSlot, ModelParts};
 use crate::ops::Activation;
 use crate::rope::Rope;
 
@@ -93,7 +93,7 @@ pub(crate) fn decoder_layer(
 pub(crate) fn model_parts(
     ld: &Loader<'_>,
     config: ModelConfig,
-    layers: Vec<DecoderLayer>,
+    layers: Vec<LayerSlot>,
     vocab: usize,
     hidden: usize,
     tie: bool,

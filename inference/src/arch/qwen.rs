@@ -10,7 +10,8 @@ use crate::ffn::moe::{ExpertMatrixNames, MoeFfn, RoutedExperts};
 use crate::ffn::router::SoftmaxTopKRouter;
 use crate::loader::Loader;
 use crate::mixer::GqaAttention;
-use crate::model::ModelParts;
+use crate::arch::LayerBuilder;
+use crate::model::{DecoderLayer, LayerSlot, ModelParts};
 use crate::ops::Activation;
 use crate::rope::{Rope, RopeLayout};
 
@@ -25,17 +26,33 @@ pub fn qwen_rope_and_scale(c: &Qwen3MoeConfig) -> Result<(Rope, f32)> {
     Ok((rope, (c.head_dim as f64).powf(-0.5) as f32))
 }
 
-pub(crate) fn build_qwen3_moe(
-    c: &Qwen3MoeConfig,
-    ld: Loader<'_>,
-    config: ModelConfig,
-) -> Result<ModelParts> {
-    let hd = c.hidden_size;
-    let act: Arc<dyn Activation> = Arc::new(c.hidden_act);
-    let (rope, scale) = qwen_rope_and_scale(c)?;
-    let (heads, kvh, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for l in 0..c.num_hidden_layers {
+/// Qwen3-MoE's decoder layers: what every layer shares, computed once.
+#[derive(Debug)]
+pub(crate) struct QwenLayers {
+    c: Qwen3MoeConfig,
+    act: Arc<dyn Activation>,
+    rope: Rope,
+    scale: f32,
+}
+
+impl QwenLayers {
+    pub(crate) fn new(c: &Qwen3MoeConfig) -> Result<QwenLayers> {
+        let (rope, scale) = qwen_rope_and_scale(c)?;
+        Ok(QwenLayers {
+            c: c.clone(),
+            act: Arc::new(c.hidden_act),
+            rope,
+            scale,
+        })
+    }
+}
+
+impl LayerBuilder for QwenLayers {
+    fn layer(&self, ld: &Loader<'_>, l: usize) -> Result<DecoderLayer> {
+        let c = &self.c;
+        let hd = c.hidden_size;
+        let act = &self.act;
+        let (heads, kvh, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
         let bias = c.attention_bias;
@@ -49,8 +66,8 @@ pub(crate) fn build_qwen3_moe(
             o_proj: ld.linear(&format!("{a}.o_proj"), hd, heads * d, bias)?,
             q_norm: Some(ld.norm(&format!("{a}.q_norm.weight"), d, c.rms_norm_eps)?),
             k_norm: Some(ld.norm(&format!("{a}.k_norm.weight"), d, c.rms_norm_eps)?),
-            rope: rope.clone(),
-            softmax_scale: scale,
+            rope: self.rope.clone(),
+            softmax_scale: self.scale,
         };
         let ffn: Box<dyn FeedForward> = if c.is_moe_layer(l) {
             let m = format!("{p}.mlp");
@@ -74,35 +91,36 @@ pub(crate) fn build_qwen3_moe(
             })
         } else {
             check_dense(
-                &ld,
+                ld,
                 l,
                 &format!("{p}.mlp"),
                 "num_experts / mlp_only_layers / decoder_sparse_step",
             )?;
             Box::new(dense_mlp(
-                &ld,
+                ld,
                 &format!("{p}.mlp"),
                 hd,
                 c.intermediate_size,
-                &act,
+                act,
             )?)
         };
-        layers.push(decoder_layer(
-            &ld,
-            &p,
-            l,
-            hd,
-            c.rms_norm_eps,
-            Box::new(mixer),
-            ffn,
-        )?);
+        decoder_layer(ld, &p, l, hd, c.rms_norm_eps, Box::new(mixer), ffn)
     }
+}
+
+/// The parts around Qwen3-MoE's decoder layers.
+pub(crate) fn qwen3_moe_parts(
+    c: &Qwen3MoeConfig,
+    ld: &Loader<'_>,
+    config: ModelConfig,
+    layers: Vec<LayerSlot>,
+) -> Result<ModelParts> {
     model_parts(
-        &ld,
+        ld,
         config,
         layers,
         c.vocab_size,
-        hd,
+        c.hidden_size,
         c.tie_word_embeddings,
         c.rms_norm_eps,
     )

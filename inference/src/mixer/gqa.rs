@@ -48,6 +48,9 @@ pub struct KvCache {
 }
 
 impl MixerState for KvCache {
+    fn empty(&self) -> Box<dyn MixerState> {
+        Box::new(KvCache::default())
+    }
     fn len(&self) -> usize {
         self.len
     }

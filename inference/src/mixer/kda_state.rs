@@ -114,6 +114,9 @@ impl KdaState {
 }
 
 impl MixerState for KdaState {
+    fn empty(&self) -> Box<dyn MixerState> {
+        Box::new(KdaState::new(self.heads, self.dim, self.kernel))
+    }
     fn len(&self) -> usize {
         self.len
     }

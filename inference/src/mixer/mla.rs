@@ -83,6 +83,9 @@ pub struct MlaCache {
 }
 
 impl MixerState for MlaCache {
+    fn empty(&self) -> Box<dyn MixerState> {
+        Box::new(MlaCache::default())
+    }
     fn len(&self) -> usize {
         self.len
     }

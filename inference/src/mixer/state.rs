@@ -10,6 +10,9 @@ pub trait MixerState: Send + std::fmt::Debug + Any {
     /// Number of positions the state has absorbed.
     fn len(&self) -> usize;
 
+    /// A fresh, empty state of the same shape (what the mixer's `new_state` would give).
+    fn empty(&self) -> Box<dyn MixerState>;
+
     fn is_empty(&self) -> bool {
         self.len() == 0
     }

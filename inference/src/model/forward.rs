@@ -3,14 +3,14 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::arch::build;
+use crate::arch::{build, LayerFactory};
 use crate::config::ModelConfig;
 use crate::digest::weights_digest;
 use crate::error::{InferenceError, Result};
 use crate::ffn::feed_forward::FfnContext;
 use crate::kernels::isa::KernelConfig;
 use crate::linear::owned::Linear;
-use crate::model::decoder::{DecoderLayer, ModelParts};
+use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
 use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
 use crate::model::residual::ResidualMixer;
 use crate::model::session::{OutputStates, Session};
@@ -28,7 +28,10 @@ pub struct Model {
     source: Arc<dyn WeightSource>,
     /// `[vocab, hidden]`
     embed_tokens: Linear,
-    layers: Vec<DecoderLayer>,
+    layers: Vec<LayerSlot>,
+    /// Rebuilds streamed layers over the weights read for each forward (`None` for a model
+    /// assembled from custom parts, which has no streamed layers).
+    factory: Option<LayerFactory>,
     norm: RmsNorm,
     /// `[vocab, hidden]`; `None` when tied to the embeddings.
     lm_head: Option<Linear>,
@@ -37,6 +40,13 @@ pub struct Model {
     prefetch: AtomicBool,
     /// Identity of the weights for snapshots, taken while the resident tensors were available.
     weights_digest: [u8; 32],
+}
+
+/// A streamed layer built over its weights for one forward. The layer is declared first so it
+/// is dropped first, and the weights' buffers can go back to the source for reuse.
+struct HeldLayer<'a> {
+    layer: DecoderLayer,
+    _weights: Box<dyn WeightSource + 'a>,
 }
 
 impl std::fmt::Debug for dyn WeightSource {
@@ -54,8 +64,11 @@ impl Model {
     /// [`Model::load`] with every matrix on `kernels`.
     pub fn load_with(source: Arc<dyn WeightSource>, kernels: KernelConfig) -> Result<Model> {
         let config = ModelConfig::from_json(source.config())?;
-        let parts = build(config, &*source, kernels)?;
-        Ok(Model::from_parts(parts, source))
+        let (parts, factory) = build(config, &*source, kernels)?;
+        let digest = weights_digest(&*source);
+        let mut model = Model::assemble(parts, source, digest);
+        model.factory = Some(factory);
+        Ok(model)
     }
 
     /// Like [`Model::load`], but takes the source by value so that, once the model holds its
@@ -72,12 +85,14 @@ impl Model {
         kernels: KernelConfig,
     ) -> Result<(Model, Arc<S>)> {
         let config = ModelConfig::from_json(source.config())?;
-        let parts = build(config, &source, kernels)?;
+        let (parts, factory) = build(config, &source, kernels)?;
         let digest = weights_digest(&source);
         source.release_resident();
         let source = Arc::new(source);
         let shared: Arc<dyn WeightSource> = source.clone();
-        Ok((Model::assemble(parts, shared, digest), source))
+        let mut model = Model::assemble(parts, shared, digest);
+        model.factory = Some(factory);
+        Ok((model, source))
     }
 
     /// Assemble a model from prepared parts (custom architectures).
@@ -98,6 +113,7 @@ impl Model {
             source,
             embed_tokens: parts.embed_tokens,
             layers: parts.layers,
+            factory: None,
             norm: parts.norm,
             lm_head: parts.lm_head,
             residual: parts.residual,
@@ -132,8 +148,41 @@ impl Model {
         self.lm_head.as_ref()
     }
 
-    pub fn layers(&self) -> &[DecoderLayer] {
+    /// The decoder layers as held: built, or streamed (see [`LayerSlot`]).
+    pub fn layers(&self) -> &[LayerSlot] {
         &self.layers
+    }
+
+    /// Decoder layers whose weights are read from the drives for every forward.
+    pub fn streamed_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .filter(|l| l.is_streamed())
+            .map(LayerSlot::index)
+            .collect()
+    }
+
+    /// Streamed layer `li` built over its weights: waiting for them (`wait`), or `None` unless
+    /// they have been read already.
+    fn hold_layer(&self, li: usize, wait: bool) -> Result<Option<HeldLayer<'_>>> {
+        let Some(weights) = self.source.layer_weights(li, wait)? else {
+            if wait {
+                return Err(InferenceError::InvalidArgument(format!(
+                    "decoder layer {li} is streamed but its source has no weights for it"
+                )));
+            }
+            return Ok(None);
+        };
+        let factory = self.factory.as_ref().ok_or_else(|| {
+            InferenceError::InvalidArgument(format!(
+                "decoder layer {li} is streamed but the model cannot rebuild it"
+            ))
+        })?;
+        let layer = factory.build(&*weights, li)?;
+        Ok(Some(HeldLayer {
+            layer,
+            _weights: weights,
+        }))
     }
     pub fn source(&self) -> &Arc<dyn WeightSource> {
         &self.source
@@ -148,7 +197,7 @@ impl Model {
     pub fn state_bytes_per_position(&self) -> u64 {
         self.layers
             .iter()
-            .map(|l| l.mixer.state_bytes_per_position() as u64)
+            .map(|l| l.state_bytes_per_position() as u64)
             .sum()
     }
 
@@ -157,7 +206,7 @@ impl Model {
     pub fn fixed_state_bytes(&self) -> u64 {
         self.layers
             .iter()
-            .map(|l| l.mixer.fixed_state_bytes() as u64)
+            .map(|l| l.fixed_state_bytes() as u64)
             .sum()
     }
 
@@ -166,7 +215,7 @@ impl Model {
     pub fn rollback_window(&self) -> Option<usize> {
         self.layers
             .iter()
-            .filter_map(|l| l.mixer.rollback_window())
+            .filter_map(LayerSlot::rollback_window)
             .min()
     }
 
@@ -179,7 +228,7 @@ impl Model {
     pub fn new_session(&self) -> Session {
         Session {
             model_id: self.id,
-            states: self.layers.iter().map(|l| l.mixer.new_state()).collect(),
+            states: self.layers.iter().map(LayerSlot::new_state).collect(),
             len: 0,
             outputs: None,
         }
@@ -296,7 +345,24 @@ impl Model {
             tr.hidden_states.push(emb.clone());
         }
         let mut streams = self.residual.init(emb);
-        for (li, layer) in self.layers.iter().enumerate() {
+        // A streamed next layer taken early (its weights had landed) for the prediction.
+        let mut next_held: Option<HeldLayer<'_>> = None;
+        for (li, slot) in self.layers.iter().enumerate() {
+            let held;
+            let layer = match slot {
+                LayerSlot::Resident(l) => l,
+                LayerSlot::Streamed(_) => {
+                    held = match next_held.take() {
+                        Some(h) => h,
+                        None => self.hold_layer(li, true)?.ok_or_else(|| {
+                            InferenceError::InvalidArgument(format!(
+                                "decoder layer {li}'s streamed weights are missing"
+                            ))
+                        })?,
+                    };
+                    &held.layer
+                }
+            };
             let state = &mut *session.states[li];
             let input = self.residual.block_input(li, 0, &streams);
             if let Some(tr) = trace.as_deref_mut() {
@@ -307,11 +373,20 @@ impl Model {
             let y = layer.mixer.forward(&x, n, state)?;
             self.residual.block_output(li, 0, &mut streams, &y);
 
-            if let Some(next) = self
-                .layers
-                .get(li + 1)
-                .filter(|_| self.next_layer_prefetch())
-            {
+            let next = match self.layers.get(li + 1) {
+                _ if !self.next_layer_prefetch() => None,
+                Some(LayerSlot::Resident(l)) => Some(l),
+                // Predict with a streamed layer only if its weights are already here: waiting
+                // for them would hold up this layer's experts.
+                Some(LayerSlot::Streamed(_)) => {
+                    if next_held.is_none() {
+                        next_held = self.hold_layer(li + 1, false)?;
+                    }
+                    next_held.as_ref().map(|h| &h.layer)
+                }
+                None => None,
+            };
+            if let Some(next) = next {
                 let xn = next
                     .post_attention_layernorm
                     .apply(&self.residual.block_input(li + 1, 1, &streams));

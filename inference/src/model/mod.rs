@@ -13,7 +13,7 @@ pub mod residual;
 pub mod session;
 
 pub use attn_res::{AttnRes, AttnResQuery};
-pub use decoder::{DecoderLayer, ModelParts};
+pub use decoder::{DecoderLayer, LayerShape, LayerSlot, ModelParts};
 pub use forward::Model;
 pub use logits::{ForwardTrace, Logits, LogitsMode};
 pub use residual::{AddResidual, ResidualMixer};

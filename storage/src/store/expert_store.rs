@@ -30,6 +30,7 @@ use crate::store::cache::{CacheBuffer, CachePolicy, ExpertCache, ExpertKey};
 use crate::store::gate::PrefetchGate;
 use crate::store::resident::ResidentSet;
 use crate::store::stats::{FetchStats, LoadProgress, StoreStats};
+use crate::store::streamed::{LandedGroup, RecordStream, StreamGroup, StreamStats};
 use crate::stripe::Mode;
 
 impl CacheBuffer for AlignedBuf {
@@ -99,6 +100,8 @@ pub struct ExpertStore {
     unavailable: Vec<String>,
     state: Mutex<StoreState>,
     resident: Mutex<ResidentFigures>,
+    /// Resident records read for every use instead of held (none unless asked).
+    stream: Mutex<Arc<RecordStream>>,
     /// Reads outstanding at most (the completion channel's capacity).
     pub(crate) max_outstanding: usize,
     pub(crate) tx: Sender<Completion>,
@@ -160,6 +163,7 @@ impl ExpertStore {
                 stats: FetchStats::default(),
             }),
             resident: Mutex::new(ResidentFigures::default()),
+            stream: Mutex::new(Arc::new(RecordStream::default())),
             max_outstanding,
             tx,
             rx,
@@ -173,7 +177,17 @@ impl ExpertStore {
         window: usize,
         on_progress: &mut dyn FnMut(&LoadProgress),
     ) -> Result<ResidentSet> {
-        let set = ResidentSet::load(&self.engine, window, on_progress)?;
+        self.read_resident_except(window, &|_| false, on_progress)
+    }
+
+    /// Read the resident set but the records `skip` names (streamed instead).
+    pub fn read_resident_except(
+        &self,
+        window: usize,
+        skip: &dyn Fn(usize) -> bool,
+        on_progress: &mut dyn FnMut(&LoadProgress),
+    ) -> Result<ResidentSet> {
+        let set = ResidentSet::load(&self.engine, window, skip, on_progress)?;
         *self.resident.lock().unwrap_or_else(|p| p.into_inner()) = ResidentFigures {
             records: set.count(),
             bytes: set.bytes(),
@@ -212,6 +226,34 @@ impl ExpertStore {
 
     pub(crate) fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// Stream `groups` of resident records (not held: read again for every use), `ahead`
+    /// groups read ahead of the one taken. Replaces any previous stream.
+    pub fn stream_groups(&self, groups: Vec<StreamGroup>, ahead: usize) {
+        *self.stream.lock().unwrap_or_else(|p| p.into_inner()) =
+            Arc::new(RecordStream::new(groups, ahead));
+    }
+
+    fn record_stream(&self) -> Arc<RecordStream> {
+        self.stream.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Take streamed group `g` ([`RecordStream::take`]): wait for it, or (`!wait`) only if it
+    /// has landed already.
+    pub fn take_group(&self, g: usize, wait: bool) -> Result<Option<LandedGroup>> {
+        self.record_stream().take(&self.engine, g, wait)
+    }
+
+    /// Give a taken group back ([`RecordStream::give_back`]).
+    pub fn give_back_group(&self, landed: LandedGroup) {
+        self.record_stream().give_back(landed);
+    }
+
+    /// The streamed groups and their counters.
+    pub fn stream_stats(&self) -> (Vec<StreamGroup>, StreamStats) {
+        let s = self.record_stream();
+        (s.groups().to_vec(), s.stats())
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, StoreState> {

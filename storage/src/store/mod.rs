@@ -7,6 +7,8 @@
 //!   traces).
 //! - [`gate`]: [`PrefetchGate`], scoring predictions and gating prefetch on their precision.
 //! - [`resident`]: [`ResidentSet`], the resident tensors in memory.
+//! - [`streamed`]: [`RecordStream`], resident records read again for every use, one group
+//!   ahead (a layer's non-expert weights over a small RAM budget).
 //! - [`stats`]: [`FetchStats`], [`StoreStats`], [`LoadProgress`].
 
 pub mod cache;
@@ -15,6 +17,7 @@ pub mod gate;
 pub mod reads;
 pub mod resident;
 pub mod stats;
+pub mod streamed;
 
 pub use cache::{CachePolicy, ExpertCache};
 pub use expert_store::{ExpertStore, StoreOptions, MAX_OUTSTANDING_READS};
@@ -22,3 +25,4 @@ pub use gate::PrefetchGate;
 pub use reads::{ExpertBatch, LandedExpert};
 pub use resident::ResidentSet;
 pub use stats::{FetchStats, LoadProgress, StoreStats};
+pub use streamed::{LandedGroup, RecordStream, StreamGroup, StreamStats};

@@ -36,11 +36,13 @@ pub struct ResidentSet {
 }
 
 impl ResidentSet {
-    /// Read every resident record of the engine's layout, `window` records in flight,
-    /// reporting progress after each.
+    /// Read every resident record of the engine's layout but those `skip` names (streamed
+    /// instead, see [`crate::store::RecordStream`]), `window` records in flight, reporting
+    /// progress after each.
     pub fn load(
         engine: &Engine,
         window: usize,
+        skip: &dyn Fn(usize) -> bool,
         on_progress: &mut dyn FnMut(&LoadProgress),
     ) -> Result<ResidentSet> {
         let start = Instant::now();
@@ -49,7 +51,7 @@ impl ResidentSet {
             .records
             .iter()
             .enumerate()
-            .filter(|(_, r)| matches!(r.id, RecordId::Resident { .. }))
+            .filter(|(i, r)| matches!(r.id, RecordId::Resident { .. }) && !skip(*i))
             .map(|(i, _)| i)
             .collect();
         let mut progress = LoadProgress {
@@ -166,8 +168,42 @@ impl ResidentSet {
 
     /// Free the buffers; the counts stay for the statistics.
     pub fn release(&mut self) {
-        self.records = Vec::new();
-        self.by_name = HashMap::new();
+        self.release_except(&|_| false);
+    }
+
+    /// Free the buffers of every record none of whose tensors `keep` names (what the model
+    /// must read again later, such as a streamed layer's small tensors, stays).
+    pub fn release_except(&mut self, keep: &dyn Fn(&str) -> bool) {
+        let kept: Vec<usize> = self
+            .records
+            .iter()
+            .enumerate()
+            .filter(|(pos, _)| {
+                self.by_name
+                    .iter()
+                    .any(|(name, &(p, _))| p == *pos && keep(name))
+            })
+            .map(|(pos, _)| pos)
+            .collect();
+        let records = std::mem::take(&mut self.records);
+        let by_name = std::mem::take(&mut self.by_name);
+        let mut new_pos = HashMap::new();
+        for (pos, rec) in records.into_iter().enumerate() {
+            if kept.contains(&pos) {
+                new_pos.insert(pos, self.records.len());
+                self.records.push(rec);
+            }
+        }
+        for (name, (pos, k)) in by_name {
+            if let Some(&p) = new_pos.get(&pos) {
+                self.by_name.insert(name, (p, k));
+            }
+        }
+    }
+
+    /// Bytes of the buffers held now.
+    pub fn held_bytes(&self) -> u64 {
+        self.records.iter().map(|r| r.buf.len() as u64).sum()
     }
 
     /// Records loaded.
