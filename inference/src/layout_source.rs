@@ -179,7 +179,7 @@ impl LayoutSource {
         options: &LayoutSourceOptions,
         on_progress: &mut dyn FnMut(&LoadProgress),
     ) -> Result<LayoutSource> {
-        Self::open_streaming(path, options, &mut |_| Ok(Vec::new()), on_progress)
+        Self::open_streaming(path, options, &mut |_, _| Ok(Vec::new()), on_progress)
     }
 
     /// [`LayoutSource::open_with_progress`], streaming the decoder layers `choose` picks from
@@ -188,7 +188,7 @@ impl LayoutSource {
     pub fn open_streaming(
         path: &Path,
         options: &LayoutSourceOptions,
-        choose: &mut dyn FnMut(&StreamableLayers) -> Result<Vec<usize>>,
+        choose: &mut dyn FnMut(&Manifest, &StreamableLayers) -> Result<Vec<usize>>,
         on_progress: &mut dyn FnMut(&LoadProgress),
     ) -> Result<LayoutSource> {
         let store = ExpertStore::open(
@@ -208,7 +208,7 @@ impl LayoutSource {
             &naming.layers_prefix,
             options.min_streamed_record,
         );
-        let mut streamed = choose(&streamable)?;
+        let mut streamed = choose(store.manifest(), &streamable)?;
         streamed.sort_unstable();
         streamed.dedup();
         let mut groups = Vec::with_capacity(streamed.len());

@@ -210,13 +210,19 @@ mod tests {
     #[test]
     fn layer_of_reads_the_index_after_the_prefix() {
         let p = "model.layers.";
-        assert_eq!(layer_of("model.layers.12.self_attn.o_proj.weight", p), Some(12));
+        assert_eq!(
+            layer_of("model.layers.12.self_attn.o_proj.weight", p),
+            Some(12)
+        );
         assert_eq!(layer_of("model.layers.0.mlp.gate.weight", p), Some(0));
         assert_eq!(layer_of("model.layers.x.mlp", p), None);
         assert_eq!(layer_of("model.layers.3", p), None);
         assert_eq!(layer_of("model.norm.weight", p), None);
         assert_eq!(
-            layer_of("language_model.model.layers.7.self_attn.q_proj.weight", "language_model.model.layers."),
+            layer_of(
+                "language_model.model.layers.7.self_attn.q_proj.weight",
+                "language_model.model.layers."
+            ),
             Some(7)
         );
     }

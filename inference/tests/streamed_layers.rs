@@ -67,7 +67,7 @@ fn open(layout: &Path, pick: &dyn Fn(&[usize]) -> Vec<usize>) -> (Model, Arc<Lay
     let src = LayoutSource::open_streaming(
         layout,
         &opts,
-        &mut |s| Ok(pick(&s.layers.iter().map(|l| l.layer).collect::<Vec<_>>())),
+        &mut |_, s| Ok(pick(&s.layers.iter().map(|l| l.layer).collect::<Vec<_>>())),
         &mut |_| {},
     )
     .unwrap();
@@ -157,7 +157,10 @@ fn streamed_layers_give_the_in_memory_tokens() {
                 &mut |_| true,
             )
             .unwrap();
-            assert_eq!(spec_out.tokens, want, "{arch} {what}: speculative tokens differ");
+            assert_eq!(
+                spec_out.tokens, want,
+                "{arch} {what}: speculative tokens differ"
+            );
 
             // A snapshot of the prompt's session resumes to the same tokens.
             let dir = tempfile::tempdir().unwrap();

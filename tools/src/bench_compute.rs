@@ -53,11 +53,12 @@ pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
         ram_budget: a.ram_budget,
         cache_policy: Default::default(),
         no_prefetch: false,
+        stream_layers: Default::default(),
         prefill_chunk: a.prefill_chunk,
         tokenizer: None,
         quiet: true,
     };
-    let mut loaded = load(&source)?;
+    let mut loaded = load(&source, &|_, _| Ok(a.prompt.max(a.decode + 1)))?;
     loaded.apply_budget(&source, a.prompt.max(a.decode + 1))?;
     let model = loaded.model();
     let vocab = model.vocab_size();

@@ -48,6 +48,9 @@ pub struct BenchGenerateArgs {
     pub cache_policy: CachePolicy,
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Decoder layers whose non-expert weights are streamed: auto, none, all or 1,3,5.
+    #[arg(long, default_value = "auto")]
+    pub stream_layers: deltafin_inference::run::StreamChoice,
     #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK)]
     pub prefill_chunk: usize,
     #[arg(long, default_value_t = 4)]
@@ -96,12 +99,14 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
         ram_budget: a.ram_budget,
         cache_policy: a.cache_policy,
         no_prefetch: a.no_prefetch,
+        stream_layers: a.stream_layers.clone(),
         prefill_chunk: a.prefill_chunk,
         tokenizer: a.tokenizer.clone(),
         quiet: true,
     };
     // Prompts: tokenized when a tokenizer is there, else synthetic ids of similar length.
-    let probe = load(&source)?;
+    let longest = a.long_prompt.max(64) + a.new_tokens.iter().copied().max().unwrap_or(0);
+    let probe = load(&source, &|_, _| Ok(longest))?;
     let vocab = probe.model().vocab_size();
     let mut prompts: Vec<(String, Vec<u32>)> = Vec::new();
     if a.prompts == "all" || a.prompts == "short" {
@@ -128,7 +133,7 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
             let mut runs = Vec::new();
             for r in 0..a.repeats.max(1) {
                 // A fresh layout each run: cold expert cache, counters from zero.
-                let mut loaded = load(&source)?;
+                let mut loaded = load(&source, &|_, _| Ok(ids.len() + n))?;
                 loaded.apply_budget(&source, ids.len() + n)?;
                 let model = loaded.model();
                 let mut config = GenerateConfig::for_model(model, n);

@@ -126,7 +126,9 @@ fn read_input(lines: &mut impl Iterator<Item = std::io::Result<String>>) -> Inpu
 }
 
 pub fn run(a: &ChatArgs) -> anyhow::Result<()> {
-    let mut loaded = load(&a.source)?;
+    let mut loaded = load(&a.source, &|_, ctx| {
+        Ok(a.context.unwrap_or(ctx.min(8192)).min(ctx))
+    })?;
     let model_ctx = loaded.model().config().max_position_embeddings();
     let context = a.context.unwrap_or(model_ctx.min(8192)).min(model_ctx);
     loaded.apply_budget(&a.source, context)?;

@@ -16,7 +16,7 @@ pub fn run_logits(args: &LogitsArgs) -> anyhow::Result<()> {
         bail!("give --ids 1,2,3");
     }
     crate::util::check_output_file(&args.out, "--out")?;
-    let mut loaded = load(&args.source)?;
+    let mut loaded = load(&args.source, &|_, _| Ok(args.ids.len()))?;
     loaded.apply_budget(&args.source, args.ids.len())?;
     let model = loaded.model();
     let logits = model

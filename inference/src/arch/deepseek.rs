@@ -6,13 +6,13 @@ use std::sync::Arc;
 use crate::arch::parts::{
     check_dense, decoder_layer, dense_mlp, mla_attention, model_parts, MlaDims,
 };
+use crate::arch::LayerBuilder;
 use crate::config::{DeepseekV3Config, ModelConfig};
 use crate::error::Result;
 use crate::ffn::feed_forward::FeedForward;
 use crate::ffn::moe::{ExpertMatrixNames, MoeFfn, RoutedExperts};
 use crate::ffn::router::NoauxTcRouter;
 use crate::loader::Loader;
-use crate::arch::LayerBuilder;
 use crate::model::{DecoderLayer, LayerSlot, ModelParts};
 use crate::ops::Activation;
 use crate::rope::{yarn_get_mscale, Rope, RopeLayout};

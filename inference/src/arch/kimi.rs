@@ -9,6 +9,7 @@ use std::sync::Arc;
 use crate::arch::parts::{
     check_dense, decoder_layer, dense_mlp, embeddings_and_head, mla_attention, MlaDims,
 };
+use crate::arch::LayerBuilder;
 use crate::config::{KimiAct, KimiConfig, ModelConfig, RouterScore};
 use crate::error::{InferenceError, Result};
 use crate::ffn::feed_forward::FeedForward;
@@ -18,7 +19,6 @@ use crate::loader::Loader;
 use crate::mixer::kda::{ForgetGate, KdaAttention, KdaOutputGate};
 use crate::mixer::{MlaAttention, TokenMixer};
 use crate::model::attn_res::{AttnRes, AttnResQuery};
-use crate::arch::LayerBuilder;
 use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
 use crate::model::residual::{AddResidual, ResidualMixer};
 use crate::ops::{Activation, Situ};
@@ -259,8 +259,7 @@ pub(crate) fn kimi_parts(
     layers: Vec<LayerSlot>,
 ) -> Result<ModelParts> {
     let hd = c.hidden_size;
-    let (embed_tokens, lm_head) =
-        embeddings_and_head(ld, c.vocab_size, hd, c.tie_word_embeddings)?;
+    let (embed_tokens, lm_head) = embeddings_and_head(ld, c.vocab_size, hd, c.tie_word_embeddings)?;
     let residual: Box<dyn ResidualMixer> = match c.attn_res_block_size {
         Some(s) => Box::new(attn_res(ld, c, s)?),
         None => Box::new(AddResidual),

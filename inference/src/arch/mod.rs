@@ -92,11 +92,11 @@ pub fn build(
     let mut layers = Vec::with_capacity(config.num_hidden_layers());
     for l in 0..config.num_hidden_layers() {
         if streamed.contains(&l) {
-            let weights = src
-                .layer_weights(l, true)?
-                .ok_or_else(|| InferenceError::InvalidArgument(format!(
+            let weights = src.layer_weights(l, true)?.ok_or_else(|| {
+                InferenceError::InvalidArgument(format!(
                     "decoder layer {l} is streamed but its weights could not be read"
-                )))?;
+                ))
+            })?;
             let layer = factory.build(&*weights, l)?;
             layers.push(LayerSlot::Streamed(LayerShape::of(&layer)));
         } else {

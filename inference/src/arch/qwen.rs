@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use crate::arch::parts::{check_dense, decoder_layer, dense_mlp, model_parts};
+use crate::arch::LayerBuilder;
 use crate::config::{ModelConfig, Qwen3MoeConfig};
 use crate::error::Result;
 use crate::ffn::feed_forward::FeedForward;
@@ -10,7 +11,6 @@ use crate::ffn::moe::{ExpertMatrixNames, MoeFfn, RoutedExperts};
 use crate::ffn::router::SoftmaxTopKRouter;
 use crate::loader::Loader;
 use crate::mixer::GqaAttention;
-use crate::arch::LayerBuilder;
 use crate::model::{DecoderLayer, LayerSlot, ModelParts};
 use crate::ops::Activation;
 use crate::rope::{Rope, RopeLayout};

@@ -8,6 +8,7 @@ use crate::error::{InferenceError, Result};
 use crate::layout_source::LayoutSource;
 use crate::model::forward::Model;
 use crate::run::memory::rss_bytes;
+use crate::run::residency::{kv_reserve, scratch_reserve, STREAM_BUFFER_LAYERS};
 
 /// How a RAM budget is split (bytes).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -19,6 +20,8 @@ pub struct Budget {
     pub kv_reserve: u64,
     /// Activations and scratch of one prefill chunk, allocator slack.
     pub scratch_reserve: u64,
+    /// Buffers of streamed layers' weights (none when every layer is held).
+    pub stream_buffers: u64,
     /// Expert buffers: reads in flight, prefetched and cached experts.
     pub expert_memory: u64,
 }
@@ -34,33 +37,25 @@ pub fn split_budget(
     max_positions: usize,
     chunk: usize,
 ) -> Result<Budget> {
-    let positions = max_positions as u64;
-    // Vec growth can leave up to 2x capacity.
-    let kv_reserve = 2u64
-        .saturating_mul(model.state_bytes_per_position())
-        .saturating_mul(positions)
-        .saturating_add(model.fixed_state_bytes());
-    let cfg = model.config();
-    let hidden = model.hidden_size() as u64;
-    let heads = cfg.num_attention_heads() as u64;
-    let top_k = cfg.experts_per_token().max(1) as u64;
-    let inter = cfg.widest_intermediate() as u64;
-    let c = chunk.clamp(1, max_positions.max(1)) as u64;
-    let scratch_reserve = (48u64 << 20)
-        .saturating_add(4u64.saturating_mul(c).saturating_mul(
-            hidden * (3 * top_k + 24) + 4 * inter + heads.saturating_mul(positions),
-        ))
-        .saturating_add(8 * model.vocab_size() as u64);
+    let kv_reserve = kv_reserve(
+        model.state_bytes_per_position(),
+        model.fixed_state_bytes(),
+        max_positions,
+    );
+    let scratch_reserve = scratch_reserve(model.config(), chunk, max_positions);
+    let stream_buffers = STREAM_BUFFER_LAYERS.saturating_mul(src.largest_streamed_layer());
     let biggest = src.largest_expert_record();
     let fixed = base_rss
         .saturating_add(kv_reserve)
-        .saturating_add(scratch_reserve);
+        .saturating_add(scratch_reserve)
+        .saturating_add(stream_buffers);
     let expert_memory = ram_budget.saturating_sub(fixed);
     if expert_memory < biggest {
         return Err(InferenceError::InvalidArgument(format!(
             "a RAM budget of {ram_budget} bytes is too small for this model: the process holds \
              {base_rss} bytes after loading, the per-sequence state for {max_positions} \
-             positions needs up to {kv_reserve} and scratch {scratch_reserve}, leaving \
+             positions needs up to {kv_reserve}, scratch {scratch_reserve} and streamed layers' \
+             buffers {stream_buffers}, leaving \
              {expert_memory} for expert buffers, less than one expert record ({biggest}); give \
              at least {}",
             fixed.saturating_add(biggest)
@@ -71,6 +66,7 @@ pub fn split_budget(
         base_rss,
         kv_reserve,
         scratch_reserve,
+        stream_buffers,
         expert_memory,
     })
 }
@@ -84,14 +80,11 @@ pub fn plan_budget(
     max_positions: usize,
     chunk: usize,
 ) -> Result<Budget> {
-    let b = split_budget(
-        model,
-        src,
-        ram_budget,
-        rss_bytes().unwrap_or(0),
-        max_positions,
-        chunk,
-    )?;
+    // The streamed layers' buffers are in the resident set now and reserved on their own.
+    let base = rss_bytes()
+        .unwrap_or(0)
+        .saturating_sub(src.stream_stats().buffer_bytes);
+    let b = split_budget(model, src, ram_budget, base, max_positions, chunk)?;
     src.set_expert_memory_cap(b.expert_memory);
     Ok(b)
 }

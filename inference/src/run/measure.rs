@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use deltafin_storage::engine::DriveStats;
-use deltafin_storage::store::FetchStats;
+use deltafin_storage::store::{FetchStats, StreamStats};
 
 use crate::generate::GenerateOutput;
 use crate::layout_source::LayoutSource;
@@ -22,6 +22,9 @@ pub struct Measured {
     /// What the layout read before the first token (prefill) and after it (decode).
     pub prefill_fetch: FetchStats,
     pub decode_fetch: FetchStats,
+    /// Streamed layers' weights read before the first token and after it.
+    pub prefill_stream: StreamStats,
+    pub decode_stream: StreamStats,
     /// Per-drive counters over the whole generation.
     pub drives: Vec<DriveStats>,
     pub peak_rss: Option<u64>,
@@ -40,19 +43,20 @@ pub fn measure_generation<E>(
 ) -> std::result::Result<Measured, E> {
     let stats = || layout.map(|s| s.stats()).unwrap_or_default();
     let s0 = stats();
-    let mut f1: Option<FetchStats> = None;
+    let mut f1: Option<(FetchStats, StreamStats)> = None;
     let mut times: Vec<Instant> = Vec::new();
     let start = Instant::now();
     let output = gen(&mut |id| {
         times.push(Instant::now());
         if f1.is_none() {
-            f1 = Some(stats().fetch);
+            let s = stats();
+            f1 = Some((s.fetch, s.stream));
         }
         on_token(id)
     })?;
     let total = start.elapsed();
     let s2 = stats();
-    let f1 = f1.unwrap_or_else(|| s2.fetch.clone());
+    let (f1, st1) = f1.unwrap_or_else(|| (s2.fetch.clone(), s2.stream));
     let (decode_steps, decode_time) = match (times.first(), times.last()) {
         (Some(a), Some(b)) if times.len() > 1 => (times.len() - 1, b.duration_since(*a)),
         _ => (0, Duration::ZERO),
@@ -64,6 +68,8 @@ pub fn measure_generation<E>(
         decode_time,
         prefill_fetch: &f1 - &s0.fetch,
         decode_fetch: &s2.fetch - &f1,
+        prefill_stream: st1.since(&s0.stream),
+        decode_stream: s2.stream.since(&st1),
         drives: (&s2 - &s0).drives,
         peak_rss: peak_rss_bytes(),
         output,

@@ -1,5 +1,5 @@
 //! Running a model as a command does: open it from a path ([`open`]), split a RAM budget
-//! ([`budget`], [`memory`]), and measure a generation ([`measure`]).
+//! ([`residency`]: what to hold and what to stream, [`budget`], [`memory`]), and measure a generation ([`measure`]).
 
 pub mod budget;
 pub mod calibrate;
@@ -7,7 +7,9 @@ pub mod measure;
 pub mod memory;
 pub mod open;
 pub mod plan;
+pub mod residency;
 
 pub use budget::{plan_budget, Budget};
 pub use measure::{measure_generation, GenStep, Measured};
-pub use open::{open_model, ModelPath, OpenOptions, OpenedModel};
+pub use open::{open_model, ModelPath, OpenOptions, OpenedModel, StreamChoice};
+pub use residency::{choose_residency, RamRequest, Residency};

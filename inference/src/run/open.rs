@@ -9,11 +9,16 @@ use deltafin_storage::engine::HashCheck;
 use deltafin_storage::manifest::MANIFEST_FILE;
 use deltafin_storage::store::{CachePolicy, LoadProgress};
 
+use crate::config::ModelConfig;
 use crate::error::{InferenceError, Result};
 use crate::kernels::isa::KernelConfig;
 use crate::layout_source::{LayoutSource, LayoutSourceOptions};
 use crate::model::forward::Model;
+use crate::run::memory::rss_bytes;
+use crate::run::residency::{choose_residency, RamRequest, Residency};
+use crate::streamed_layer::StreamableLayers;
 use crate::weights::DirSource;
+use deltafin_storage::manifest::Manifest;
 
 /// What a model path points at.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,6 +73,43 @@ pub struct OpenOptions {
     pub no_prefetch: bool,
     /// The kernels every matrix runs.
     pub kernels: KernelConfig,
+    /// Layouts: which decoder layers' weights to stream instead of holding.
+    pub stream: StreamChoice,
+    /// Layouts: the RAM the process may use ([`StreamChoice::Auto`] streams what does not fit).
+    pub ram: Option<RamRequest>,
+}
+
+/// Which decoder layers of a layout to stream.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StreamChoice {
+    /// As the RAM request needs ([`choose_residency`]); nothing without one.
+    #[default]
+    Auto,
+    /// Hold every layer.
+    None,
+    /// Stream every layer that has streamable weights.
+    All,
+    /// Stream these layers.
+    Layers(Vec<usize>),
+}
+
+impl std::str::FromStr for StreamChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(StreamChoice::Auto),
+            "none" => Ok(StreamChoice::None),
+            "all" => Ok(StreamChoice::All),
+            list => list
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map(StreamChoice::Layers)
+                .map_err(|_| {
+                    format!("`{s}`: expected auto, none, all or layer numbers like 1,3,5")
+                }),
+        }
+    }
 }
 
 impl Default for OpenOptions {
@@ -79,6 +121,8 @@ impl Default for OpenOptions {
             cache_policy: l.cache_policy,
             no_prefetch: false,
             kernels: KernelConfig::default(),
+            stream: StreamChoice::Auto,
+            ram: None,
         }
     }
 }
@@ -90,6 +134,8 @@ pub struct OpenedModel {
     pub path: ModelPath,
     /// The layout the model streams its experts from (`None` for a directory).
     pub layout: Option<Arc<LayoutSource>>,
+    /// What was held and what streamed under the RAM request (layouts with one).
+    pub residency: Option<Residency>,
     pub load_time: Duration,
 }
 
@@ -102,6 +148,7 @@ pub fn open_model(
 ) -> Result<OpenedModel> {
     let start = Instant::now();
     let path = ModelPath::detect(path)?;
+    let mut residency = None;
     let (model, layout) = match &path {
         ModelPath::Directory(d) => {
             let src = DirSource::open(d)?;
@@ -123,7 +170,35 @@ pub fn open_model(
                 hash_check: opts.hash_check,
                 ..LayoutSourceOptions::default()
             };
-            let src = LayoutSource::open_with_progress(m, &lopts, on_progress)?;
+            let base_rss = rss_bytes().unwrap_or(0);
+            let mut choose = |man: &Manifest, s: &StreamableLayers| -> Result<Vec<usize>> {
+                let streamable = || s.layers.iter().map(|l| l.layer).collect::<Vec<_>>();
+                let forced = match &opts.stream {
+                    StreamChoice::Auto => None,
+                    StreamChoice::None => Some(Vec::new()),
+                    StreamChoice::All => Some(streamable()),
+                    StreamChoice::Layers(l) => Some(l.clone()),
+                };
+                let Some(req) = &opts.ram else {
+                    return Ok(forced.unwrap_or_default());
+                };
+                let cfg = ModelConfig::from_json(&man.config)?;
+                let state = crate::run::plan::state_bytes(&cfg);
+                let mut r =
+                    choose_residency(s, &cfg, state, man.largest_expert_record(), base_rss, req);
+                // An explicit choice overrides the plan's (which then reports it), even when
+                // the plan alone found no way to fit.
+                if let Some(layers) = forced {
+                    let fallback =
+                        || crate::run::residency::Residency::unplanned(s, base_rss, req.ram_budget);
+                    r = Ok(r.unwrap_or_else(|_| fallback()).with_streamed(s, layers));
+                }
+                let r = r?;
+                let layers = r.streamed_layers.clone();
+                residency = Some(r);
+                Ok(layers)
+            };
+            let src = LayoutSource::open_streaming(m, &lopts, &mut choose, on_progress)?;
             // The model keeps its own copy of the resident weights; the layout's is dropped.
             let (model, src) = Model::load_owned_with(src, opts.kernels)?;
             (model, Some(src))
@@ -136,6 +211,7 @@ pub fn open_model(
         model,
         path,
         layout,
+        residency,
         load_time: start.elapsed(),
     })
 }

@@ -278,7 +278,7 @@ pub fn model_bytes(config: &Value, dense: DenseFormats) -> Result<ModelBytes> {
 /// it (MLA: latent + rope key per position; GQA: keys and values; KDA: the recurrent state
 /// and the convolution tails, twice for rollback). Checked against the loaded models' own
 /// figures in the tests.
-fn state_bytes(cfg: &ModelConfig) -> (u64, u64) {
+pub(crate) fn state_bytes(cfg: &ModelConfig) -> (u64, u64) {
     const F: u64 = 4;
     match cfg {
         ModelConfig::DeepseekV3(c) => (

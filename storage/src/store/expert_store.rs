@@ -236,7 +236,10 @@ impl ExpertStore {
     }
 
     fn record_stream(&self) -> Arc<RecordStream> {
-        self.stream.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Take streamed group `g` ([`RecordStream::take`]): wait for it, or (`!wait`) only if it
@@ -283,11 +286,13 @@ impl ExpertStore {
             ..st.stats.clone()
         };
         let r = *self.resident.lock().unwrap_or_else(|p| p.into_inner());
+        let stream = self.record_stream().stats();
         StoreStats {
             resident_records: r.records,
             resident_bytes: r.bytes,
             resident_load_time: r.time,
-            bytes_read: r.bytes + fetch.read_bytes,
+            bytes_read: r.bytes + fetch.read_bytes + stream.bytes_read,
+            stream,
             drives: self.engine.stats(),
             expert_memory_bytes: st.cache.used(),
             expert_memory_cap: st.cache.cap(),

@@ -136,6 +136,8 @@ pub struct StoreStats {
     pub replica_recoveries: u64,
     /// Bad copies rewritten from good ones (or that could not be), in order.
     pub repairs: Vec<Repair>,
+    /// Streamed resident records (a layer's non-expert weights read for every use).
+    pub stream: crate::store::streamed::StreamStats,
 }
 
 impl Sub for &StoreStats {
@@ -155,6 +157,7 @@ impl Sub for &StoreStats {
                 })
                 .collect(),
             fetch: &self.fetch - &rhs.fetch,
+            stream: self.stream.since(&rhs.stream),
             replica_recoveries: self
                 .replica_recoveries
                 .saturating_sub(rhs.replica_recoveries),

@@ -36,7 +36,7 @@ pub struct LandedGroup {
 }
 
 /// Counters of a stream.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct StreamStats {
     /// Groups taken.
     pub takes: u64,
@@ -46,8 +46,24 @@ pub struct StreamStats {
     pub bytes_read: u64,
     /// Time takes spent waiting for reads.
     pub wait: Duration,
-    /// Bytes of the buffers the stream owns (in flight, taken or free for reuse), peak.
+    /// Bytes of the buffers the stream owns (in flight, taken or free for reuse), now and at
+    /// the peak.
+    pub buffer_bytes: u64,
     pub peak_buffer_bytes: u64,
+}
+
+impl StreamStats {
+    /// The counters since `earlier` (the peak as of now).
+    pub fn since(&self, earlier: &StreamStats) -> StreamStats {
+        StreamStats {
+            takes: self.takes.saturating_sub(earlier.takes),
+            ready_takes: self.ready_takes.saturating_sub(earlier.ready_takes),
+            bytes_read: self.bytes_read.saturating_sub(earlier.bytes_read),
+            wait: self.wait.saturating_sub(earlier.wait),
+            buffer_bytes: self.buffer_bytes,
+            peak_buffer_bytes: self.peak_buffer_bytes,
+        }
+    }
 }
 
 /// Where a group is.
@@ -103,7 +119,11 @@ impl RecordStream {
     }
 
     pub fn stats(&self) -> StreamStats {
-        self.lock().stats
+        let st = self.lock();
+        StreamStats {
+            buffer_bytes: st.buffer_bytes,
+            ..st.stats
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, StreamState> {
@@ -111,7 +131,13 @@ impl RecordStream {
     }
 
     /// The error of a group's read, naming the group and the record.
-    fn read_error(&self, engine: &Engine, g: usize, record: usize, e: StorageError) -> StorageError {
+    fn read_error(
+        &self,
+        engine: &Engine,
+        g: usize,
+        record: usize,
+        e: StorageError,
+    ) -> StorageError {
         StorageError::ResidentRead {
             record: format!(
                 "{} (streamed group {}, record {record})",

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use deltafin_inference::generate::DEFAULT_PREFILL_CHUNK;
+use deltafin_inference::run::StreamChoice;
 use deltafin_inference::CachePolicy;
 use deltafin_storage::engine::HashCheck;
 
@@ -32,6 +33,11 @@ pub struct SourceArgs {
     /// Layouts: do not prefetch the next layer's predicted experts.
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Layouts: decoder layers whose non-expert weights are read from the drives for every
+    /// forward instead of held: auto (what --ram-budget cannot hold), none, all, or a list
+    /// like 1,3,5.
+    #[arg(long, default_value = "auto", value_name = "LAYERS")]
+    pub stream_layers: StreamChoice,
     /// Prefill the prompt in chunks of N positions (0 = all at once).
     #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK, value_name = "N")]
     pub prefill_chunk: usize,

@@ -6,10 +6,14 @@ use anyhow::Context;
 use deltafin_inference::family::expert_naming;
 use deltafin_inference::run::budget::plan_budget;
 use deltafin_inference::run::memory::default_ram_budget;
-use deltafin_inference::run::{open_model, Budget, ModelPath, OpenOptions, OpenedModel};
+use deltafin_inference::run::{
+    open_model, Budget, ModelPath, OpenOptions, OpenedModel, RamRequest,
+};
+use deltafin_inference::ModelConfig;
 use deltafin_inference::{CachePolicy, LoadProgress};
 use deltafin_storage::checkpoint::Checkpoint;
 use deltafin_storage::expert_parts::skipped_tensors;
+use deltafin_storage::manifest::Manifest;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::generate::args::SourceArgs;
@@ -24,15 +28,45 @@ pub(crate) struct Loaded {
     pub budget: Option<Budget>,
 }
 
-/// Open `--model`, with a progress bar while a layout's resident weights load.
-pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
+/// The longest context a command will run, from its tokenizer (a prompt's length) and the
+/// model's `max_position_embeddings`: what a layout's RAM plan reserves state for.
+pub(crate) type Positions<'a> =
+    dyn Fn(Option<&deltafin_chat::ChatTokenizer>, usize) -> anyhow::Result<usize> + 'a;
+
+/// Open `--model`, with a progress bar while a layout's resident weights load. A layout holds
+/// what `--ram-budget` can hold for `positions` and streams the rest (`--stream-layers`).
+pub(crate) fn load(args: &SourceArgs, positions: &Positions<'_>) -> anyhow::Result<Loaded> {
     let path = ModelPath::detect(&args.model)?;
     let tokenizer = load_tokenizer(args, &path)?;
+    let ram = match &path {
+        ModelPath::Layout(manifest) => {
+            let m = Manifest::load(manifest)
+                .with_context(|| format!("reading {}", manifest.display()))?;
+            let cfg = ModelConfig::from_json(&m.config)
+                .with_context(|| format!("the config in {}", manifest.display()))?;
+            let max_positions = positions(
+                tokenizer.as_ref().map(|(_, t)| t),
+                cfg.max_position_embeddings(),
+            )?;
+            Some(RamRequest {
+                ram_budget: args.ram_budget.unwrap_or_else(default_ram_budget),
+                max_positions,
+                chunk: if args.prefill_chunk == 0 {
+                    max_positions
+                } else {
+                    args.prefill_chunk
+                },
+            })
+        }
+        ModelPath::Directory(_) => None,
+    };
     let opts = OpenOptions {
         threads_per_drive: args.threads_per_drive,
         hash_check: args.hash_check,
         cache_policy: args.cache_policy,
         no_prefetch: args.no_prefetch,
+        stream: args.stream_layers.clone(),
+        ram,
         ..OpenOptions::default()
     };
     let bar = if args.quiet || matches!(path, ModelPath::Directory(_)) {
@@ -57,6 +91,12 @@ pub(crate) fn load(args: &SourceArgs) -> anyhow::Result<Loaded> {
     let opened = opened?;
     if let ModelPath::Directory(dir) = &path {
         note_unused_tensors(dir);
+    }
+    if let (Some(r), false) = (&opened.residency, args.quiet) {
+        eprintln!(
+            "{}",
+            crate::generate::report::residency_text(r, opened.model.layers().len())
+        );
     }
     if let Some(src) = &opened.layout {
         for problem in src.unavailable_drives() {

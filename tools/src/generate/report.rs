@@ -102,6 +102,18 @@ pub(crate) fn summary(m: &Measured, loaded: &Loaded, prompt_len: usize) -> Strin
             f.stall.as_secs_f64(),
             m.peak_rss.map(human).unwrap_or_else(|| "n/a".into()),
         ));
+        let streamed = loaded.opened.model.streamed_layers();
+        if !streamed.is_empty() {
+            let d = &m.decode_stream;
+            s.push_str(&format!(
+                "; {} streamed layers: {} per decoded token, {} of layer reads landed before \
+                 use, {:.3} s waited",
+                streamed.len(),
+                human(d.bytes_read / m.decode_steps.max(1) as u64),
+                pct((d.takes > 0).then(|| d.ready_takes as f64 / d.takes as f64)),
+                (m.prefill_stream.wait + d.wait).as_secs_f64(),
+            ));
+        }
         if let Some(b) = &loaded.budget {
             s.push_str(&format!(
                 " (budget {}, expert buffers {})",
@@ -166,6 +178,22 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
             "expert_memory_peak_bytes": f.peak_bytes,
         });
         v["cache_policy"] = loaded.policy.to_string().into();
+        v["residency"] = serde_json::to_value(&loaded.opened.residency).unwrap_or_default();
+        let stream = |s: &deltafin_inference::StreamStats, steps: usize| {
+            serde_json::json!({
+                "layers_read": s.takes,
+                "layers_ready": s.ready_takes,
+                "bytes_read": s.bytes_read,
+                "bytes_read_per_forward": s.bytes_read as f64 / steps.max(1) as f64,
+                "wait_s": s.wait.as_secs_f64(),
+                "buffer_bytes_peak": s.peak_buffer_bytes,
+            })
+        };
+        v["streamed_layers"] = serde_json::json!({
+            "layers": loaded.opened.model.streamed_layers(),
+            "prefill": stream(&m.prefill_stream, 1),
+            "decode": stream(&m.decode_stream, m.decode_steps),
+        });
         v["budget"] = serde_json::to_value(&loaded.budget).unwrap_or_default();
         v["ram_budget_bytes"] = loaded.budget.as_ref().map(|b| b.ram_budget).into();
         v["expert_bytes_total"] = man.expert_bytes().into();
@@ -196,4 +224,33 @@ pub(crate) fn integrity_warnings(loaded: &Loaded) -> Vec<String> {
         ));
     }
     out
+}
+
+/// The RAM plan of a layout, as printed at start.
+pub(crate) fn residency_text(r: &deltafin_inference::run::Residency, layers: usize) -> String {
+    let held = layers.saturating_sub(r.streamed_layers.len());
+    let mut s = format!(
+        "RAM plan ({} budget): held: embeddings, head and small tensors {}, {held} of {layers} \
+         layers' matrices {}; state {}; scratch {}",
+        human(r.ram_budget),
+        human(r.fixed_resident),
+        human(r.layer_resident),
+        human(r.kv_reserve),
+        human(r.scratch_reserve),
+    );
+    if !r.streamed_layers.is_empty() {
+        s.push_str(&format!(
+            "; streamed: layers {:?}, {} read per forward, buffers {}",
+            r.streamed_layers,
+            human(r.streamed_bytes_per_forward),
+            human(r.stream_buffers)
+        ));
+    }
+    s.push_str(&format!(
+        "; expert buffers {} (floor {}). Layers' weights are held before expert cache: each \
+         byte held saves a byte read per token, a cached expert byte at most top-k/experts of one",
+        human(r.expert_memory),
+        human(r.expert_floor)
+    ));
+    s
 }

@@ -44,7 +44,17 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         }
     }
 
-    let mut loaded = load(&args.source)?;
+    let prompt_positions = |tok: Option<&deltafin_chat::ChatTokenizer>, _ctx: usize| {
+        let n = match (&args.prompt, &args.prompt_ids, tok) {
+            (Some(text), _, Some(t)) => t.encode(text.as_str(), true)?.len(),
+            (_, Some(ids), _) => ids.len(),
+            // No tokenizer: the error comes below; reserve by characters meanwhile.
+            (Some(text), _, None) => text.len(),
+            (None, None, _) => 1,
+        };
+        Ok(n + args.max_new_tokens)
+    };
+    let mut loaded = load(&args.source, &prompt_positions)?;
     let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
         (Some(text), _) => {
             let (_, tok) = loaded

@@ -76,7 +76,12 @@ pub(crate) enum Event {
 }
 
 pub fn run(a: &ServeArgs) -> anyhow::Result<()> {
-    let mut loaded = load(&a.source)?;
+    let mut loaded = load(&a.source, &|_, ctx| {
+        Ok(a.context
+            .unwrap_or(ctx.min(8192))
+            .min(ctx)
+            .saturating_mul(2))
+    })?;
     let model_ctx = loaded.model().config().max_position_embeddings();
     let context = a.context.unwrap_or(model_ctx.min(8192)).min(model_ctx);
     loaded.apply_budget(&a.source, context.saturating_mul(2))?;
