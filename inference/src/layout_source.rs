@@ -15,8 +15,8 @@ use deltafin_storage::backend::IoBackend;
 use deltafin_storage::engine::HashCheck;
 use deltafin_storage::manifest::{Manifest, RecordTensor};
 use deltafin_storage::store::{
-    CachePolicy, ExpertBatch, ExpertStore, LandedGroup, LoadProgress, ResidentSet, StoreOptions,
-    StoreStats, StreamGroup, StreamStats,
+    CachePolicy, ExpertBatch, ExpertStore, LoadProgress, ResidentSet, StoreOptions, StoreStats,
+    StreamGroup, StreamStats,
 };
 use deltafin_storage::stripe::Mode;
 use deltafin_storage::StorageError;
@@ -273,11 +273,6 @@ impl LayoutSource {
         self.store.stream_stats().1
     }
 
-    /// A streamed layer's buffers back to the stream (see [`StreamedLayerSource`]).
-    pub(crate) fn give_back_layer(&self, landed: LandedGroup) {
-        self.store.give_back_group(landed);
-    }
-
     pub fn manifest(&self) -> &Manifest {
         self.store.manifest()
     }
@@ -435,6 +430,13 @@ impl WeightSource for LayoutSource {
             }
             e => InferenceError::Storage(e),
         })?;
-        Ok(landed.map(|l| Box::new(StreamedLayerSource::new(self, l)) as Box<dyn WeightSource>))
+        Ok(landed.map(|l| {
+            Box::new(StreamedLayerSource::new(
+                self,
+                self.manifest(),
+                l,
+                &self.store,
+            )) as Box<dyn WeightSource>
+        }))
     }
 }

@@ -14,7 +14,6 @@ use deltafin_storage::store::LandedGroup;
 use serde::Serialize;
 
 use crate::error::Result;
-use crate::layout_source::LayoutSource;
 use crate::linear::bytes::WeightBytes;
 use crate::weights::{ExpertCallback, ExpertGroupCallback, TensorRef, WeightSource};
 
@@ -109,19 +108,36 @@ pub fn streamable_layers(
     }
 }
 
+/// Where a streamed layer's buffers go back to (the layout's store).
+pub(crate) trait GiveBack: Send + Sync {
+    fn give_back(&self, landed: LandedGroup);
+}
+
+impl GiveBack for deltafin_storage::store::ExpertStore {
+    fn give_back(&self, landed: LandedGroup) {
+        self.give_back_group(landed);
+    }
+}
+
 /// A streamed layer's weights for one forward: its landed records first, everything else as
 /// the layout source has it. Dropping it gives the buffers back to the stream.
-#[derive(Debug)]
 pub struct StreamedLayerSource<'a> {
-    parent: &'a LayoutSource,
+    parent: &'a dyn WeightSource,
     landed: Option<LandedGroup>,
+    give_back: &'a dyn GiveBack,
     /// Tensor name -> (position in `landed.records`, its description).
     by_name: HashMap<&'a str, (usize, &'a RecordTensor)>,
 }
 
 impl<'a> StreamedLayerSource<'a> {
-    pub(crate) fn new(parent: &'a LayoutSource, landed: LandedGroup) -> StreamedLayerSource<'a> {
-        let manifest = parent.manifest();
+    /// The landed group over `parent` (whose layout's `manifest` names the records);
+    /// `give_back` takes the buffers when this is dropped.
+    pub(crate) fn new(
+        parent: &'a dyn WeightSource,
+        manifest: &'a Manifest,
+        landed: LandedGroup,
+        give_back: &'a dyn GiveBack,
+    ) -> StreamedLayerSource<'a> {
         let mut by_name = HashMap::new();
         for (pos, (record, _)) in landed.records.iter().enumerate() {
             if let Some(r) = manifest.records.get(*record) {
@@ -133,6 +149,7 @@ impl<'a> StreamedLayerSource<'a> {
         StreamedLayerSource {
             parent,
             landed: Some(landed),
+            give_back,
             by_name,
         }
     }
@@ -146,10 +163,19 @@ impl<'a> StreamedLayerSource<'a> {
     }
 }
 
+impl std::fmt::Debug for StreamedLayerSource<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamedLayerSource")
+            .field("group", &self.landed.as_ref().map(|l| l.group))
+            .field("tensors", &self.by_name.len())
+            .finish()
+    }
+}
+
 impl Drop for StreamedLayerSource<'_> {
     fn drop(&mut self) {
         if let Some(landed) = self.landed.take() {
-            self.parent.give_back_layer(landed);
+            self.give_back.give_back(landed);
         }
     }
 }

@@ -150,6 +150,8 @@ fn kda_of<'m>(
     layer: usize,
 ) -> (&'m KdaAttention, &'m KdaState) {
     let mixer = model.layers()[layer]
+        .resident()
+        .unwrap()
         .mixer
         .as_any()
         .downcast_ref::<KdaAttention>()
@@ -227,15 +229,14 @@ fn check_taps(name: &str, model: &Model, r: &Reference) {
     // KDA: the first layer's gate, beta and core output; every layer's states.
     let kda_layers: Vec<usize> = r.i64("kda_layer_ids").iter().map(|&l| l as usize).collect();
     let first = kda_layers[0];
-    let normed = model.layers()[first]
-        .input_layernorm
-        .apply(&trace.attn_inputs[first]);
-    let kda = model.layers()[first]
+    let layer0 = model.layers()[first].resident().unwrap();
+    let normed = layer0.input_layernorm.apply(&trace.attn_inputs[first]);
+    let kda = layer0
         .mixer
         .as_any()
         .downcast_ref::<KdaAttention>()
         .unwrap();
-    let mut fresh = model.layers()[first].mixer.new_state();
+    let mut fresh = layer0.mixer.new_state();
     let (_, taps) = kda.forward_taps(&normed, n, &mut *fresh).unwrap();
     check(&format!("{name}: kda0 g"), &taps.g, &r.f32("kda0_g"), tol);
     check(

@@ -257,9 +257,10 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
     println!("  => {:.2} s", p.ttft_s);
     if p.streamed_nonexpert_bytes_per_token > 0 {
         println!(
-            "note: the runtime keeps every non-expert weight resident today; streaming the \
-             {} that do not fit is planned (issue 16), so this model does not run yet with \
-             this RAM",
+            "note: `generate --ram-budget {}` streams whole decoder layers' matrices (the fewest \
+             that make the rest fit, spread over the depth), so it may stream a little more \
+             than the {} this plan assumes",
+            human(p.ram_budget_bytes),
             human(p.streamed_nonexpert_bytes_per_token)
         );
     }

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
+use crate::arch::layer_builder::LayerBuilder;
 use crate::arch::parts::{
     check_dense, decoder_layer, dense_mlp, mla_attention, model_parts, MlaDims,
 };
-use crate::arch::LayerBuilder;
 use crate::config::{DeepseekV3Config, ModelConfig};
 use crate::error::Result;
 use crate::ffn::feed_forward::FeedForward;

@@ -6,10 +6,10 @@
 
 use std::sync::Arc;
 
+use crate::arch::layer_builder::LayerBuilder;
 use crate::arch::parts::{
     check_dense, decoder_layer, dense_mlp, embeddings_and_head, mla_attention, MlaDims,
 };
-use crate::arch::LayerBuilder;
 use crate::config::{KimiAct, KimiConfig, ModelConfig, RouterScore};
 use crate::error::{InferenceError, Result};
 use crate::ffn::feed_forward::FeedForward;

@@ -8,55 +8,25 @@
 
 pub mod deepseek;
 pub mod kimi;
+pub mod layer_builder;
 pub mod parts;
 pub mod qwen;
-
-use std::fmt;
 
 pub use deepseek::deepseek_rope_and_scale;
 pub use qwen::qwen_rope_and_scale;
 
-use deltafin_storage::naming::ExpertNaming;
-
 use crate::arch::deepseek::{deepseek_v3_parts, DeepseekLayers};
 use crate::arch::kimi::{kimi_parts, KimiLayers};
+use crate::arch::layer_builder::LayerBuilder;
+pub use crate::arch::layer_builder::LayerFactory;
 use crate::arch::qwen::{qwen3_moe_parts, QwenLayers};
 use crate::config::ModelConfig;
 use crate::error::{InferenceError, Result};
 use crate::kernels::isa::KernelConfig;
 use crate::linear::resolve::QuantHints;
 use crate::loader::Loader;
-use crate::model::{DecoderLayer, LayerShape, LayerSlot, ModelParts};
+use crate::model::{LayerShape, LayerSlot, ModelParts};
 use crate::weights::WeightSource;
-
-/// Builds one decoder layer of a family from a loader.
-pub(crate) trait LayerBuilder: Send + Sync + fmt::Debug {
-    fn layer(&self, ld: &Loader<'_>, l: usize) -> Result<DecoderLayer>;
-}
-
-/// How a model rebuilds a streamed layer over the weights read for one forward.
-#[derive(Debug)]
-pub struct LayerFactory {
-    builder: Box<dyn LayerBuilder>,
-    hints: QuantHints,
-    kernels: KernelConfig,
-    naming: ExpertNaming,
-    prefix: &'static str,
-}
-
-impl LayerFactory {
-    /// Decoder layer `l` from `src` (a streamed layer's weights).
-    pub fn build(&self, src: &dyn WeightSource, l: usize) -> Result<DecoderLayer> {
-        let ld = Loader {
-            src,
-            hints: self.hints,
-            kernels: self.kernels,
-            naming: self.naming.clone(),
-            prefix: self.prefix,
-        };
-        self.builder.layer(&ld, l)
-    }
-}
 
 /// Build the parts of any supported architecture, every matrix on `kernels`. Layers the source
 /// streams ([`WeightSource::streamed_layers`]) are built once from their weights, to check them
@@ -81,13 +51,7 @@ pub fn build(
         ModelConfig::Qwen3Moe(c) => Box::new(QwenLayers::new(c)?),
         ModelConfig::Kimi(c) => Box::new(KimiLayers::new(c)),
     };
-    let factory = LayerFactory {
-        builder,
-        hints,
-        kernels,
-        naming,
-        prefix,
-    };
+    let factory = LayerFactory::new(builder, hints, kernels, naming, prefix);
     let streamed = src.streamed_layers();
     let mut layers = Vec::with_capacity(config.num_hidden_layers());
     for l in 0..config.num_hidden_layers() {
@@ -100,7 +64,7 @@ pub fn build(
             let layer = factory.build(&*weights, l)?;
             layers.push(LayerSlot::Streamed(LayerShape::of(&layer)));
         } else {
-            layers.push(LayerSlot::Resident(factory.builder.layer(&ld, l)?));
+            layers.push(LayerSlot::Resident(factory.build_with(&ld, l)?));
         }
     }
     let parts = match &config {

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
+use crate::arch::layer_builder::LayerBuilder;
 use crate::arch::parts::{check_dense, decoder_layer, dense_mlp, model_parts};
-use crate::arch::LayerBuilder;
 use crate::config::{ModelConfig, Qwen3MoeConfig};
 use crate::error::Result;
 use crate::ffn::feed_forward::FeedForward;

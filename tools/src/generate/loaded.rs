@@ -9,15 +9,14 @@ use deltafin_inference::run::memory::default_ram_budget;
 use deltafin_inference::run::{
     open_model, Budget, ModelPath, OpenOptions, OpenedModel, RamRequest,
 };
-use deltafin_inference::ModelConfig;
 use deltafin_inference::{CachePolicy, LoadProgress};
 use deltafin_storage::checkpoint::Checkpoint;
 use deltafin_storage::expert_parts::skipped_tensors;
-use deltafin_storage::manifest::Manifest;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::generate::args::SourceArgs;
 use crate::generate::tokenizer::load_tokenizer;
+use crate::util::human;
 
 /// A loaded model and facts about its source.
 pub(crate) struct Loaded {
@@ -40,14 +39,10 @@ pub(crate) fn load(args: &SourceArgs, positions: &Positions<'_>) -> anyhow::Resu
     let tokenizer = load_tokenizer(args, &path)?;
     let ram = match &path {
         ModelPath::Layout(manifest) => {
-            let m = Manifest::load(manifest)
-                .with_context(|| format!("reading {}", manifest.display()))?;
-            let cfg = ModelConfig::from_json(&m.config)
-                .with_context(|| format!("the config in {}", manifest.display()))?;
-            let max_positions = positions(
-                tokenizer.as_ref().map(|(_, t)| t),
-                cfg.max_position_embeddings(),
-            )?;
+            // Only for sizing the plan: the layout's own open authenticates the manifest (and
+            // reads a mirror's good copy when this one is damaged), and reports what is wrong.
+            let context = layout_context(manifest).unwrap_or(8192);
+            let max_positions = positions(tokenizer.as_ref().map(|(_, t)| t), context)?;
             Some(RamRequest {
                 ram_budget: args.ram_budget.unwrap_or_else(default_ram_budget),
                 max_positions,
@@ -93,10 +88,7 @@ pub(crate) fn load(args: &SourceArgs, positions: &Positions<'_>) -> anyhow::Resu
         note_unused_tensors(dir);
     }
     if let (Some(r), false) = (&opened.residency, args.quiet) {
-        eprintln!(
-            "{}",
-            crate::generate::report::residency_text(r, opened.model.layers().len())
-        );
+        eprintln!("{}", residency_text(r, opened.model.layers().len()));
     }
     if let Some(src) = &opened.layout {
         for problem in src.unavailable_drives() {
@@ -114,6 +106,21 @@ pub(crate) fn load(args: &SourceArgs, positions: &Positions<'_>) -> anyhow::Resu
         policy: args.cache_policy,
         budget: None,
     })
+}
+
+/// `max_position_embeddings` from a layout manifest's config, read without checking anything
+/// else (`None` when it cannot be read).
+fn layout_context(manifest: &std::path::Path) -> Option<usize> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(manifest).ok()?).ok()?;
+    let cfg = &v["config"];
+    let text = if cfg["text_config"].is_object() {
+        &cfg["text_config"]
+    } else {
+        cfg
+    };
+    text["max_position_embeddings"]
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
 }
 
 /// Say so when a checkpoint holds tensors the text model does not use (K3's vision tower and
@@ -173,4 +180,33 @@ impl Loaded {
         }
         Ok(())
     }
+}
+
+/// The RAM plan of a layout, as printed at start.
+fn residency_text(r: &deltafin_inference::run::Residency, layers: usize) -> String {
+    let held = layers.saturating_sub(r.streamed_layers.len());
+    let mut s = format!(
+        "RAM plan ({} budget): held: embeddings, head and small tensors {}, {held} of {layers} \
+         layers' matrices {}; state {}; scratch {}",
+        human(r.ram_budget),
+        human(r.fixed_resident),
+        human(r.layer_resident),
+        human(r.kv_reserve),
+        human(r.scratch_reserve),
+    );
+    if !r.streamed_layers.is_empty() {
+        s.push_str(&format!(
+            "; streamed: layers {:?}, {} read per forward, buffers {}",
+            r.streamed_layers,
+            human(r.streamed_bytes_per_forward),
+            human(r.stream_buffers)
+        ));
+    }
+    s.push_str(&format!(
+        "; expert buffers {} (floor {}). Layers' weights are held before expert cache: each \
+         byte held saves a byte read per token, a cached expert byte at most top-k/experts of one",
+        human(r.expert_memory),
+        human(r.expert_floor)
+    ));
+    s
 }

@@ -225,32 +225,3 @@ pub(crate) fn integrity_warnings(loaded: &Loaded) -> Vec<String> {
     }
     out
 }
-
-/// The RAM plan of a layout, as printed at start.
-pub(crate) fn residency_text(r: &deltafin_inference::run::Residency, layers: usize) -> String {
-    let held = layers.saturating_sub(r.streamed_layers.len());
-    let mut s = format!(
-        "RAM plan ({} budget): held: embeddings, head and small tensors {}, {held} of {layers} \
-         layers' matrices {}; state {}; scratch {}",
-        human(r.ram_budget),
-        human(r.fixed_resident),
-        human(r.layer_resident),
-        human(r.kv_reserve),
-        human(r.scratch_reserve),
-    );
-    if !r.streamed_layers.is_empty() {
-        s.push_str(&format!(
-            "; streamed: layers {:?}, {} read per forward, buffers {}",
-            r.streamed_layers,
-            human(r.streamed_bytes_per_forward),
-            human(r.stream_buffers)
-        ));
-    }
-    s.push_str(&format!(
-        "; expert buffers {} (floor {}). Layers' weights are held before expert cache: each \
-         byte held saves a byte read per token, a cached expert byte at most top-k/experts of one",
-        human(r.expert_memory),
-        human(r.expert_floor)
-    ));
-    s
-}
