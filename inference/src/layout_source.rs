@@ -258,12 +258,12 @@ impl LayoutSource {
         &self.streamable
     }
 
-    /// Bytes of one streamed layer's weights, the largest (0 when nothing is streamed).
+    /// Buffer bytes of one streamed layer's weights, the largest (0 when nothing is streamed).
     pub fn largest_streamed_layer(&self) -> u64 {
         self.streamed
             .iter()
             .filter_map(|&l| self.streamable.layer(l))
-            .map(|w| w.bytes)
+            .map(|w| w.buffer_bytes)
             .max()
             .unwrap_or(0)
     }

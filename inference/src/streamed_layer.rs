@@ -26,6 +26,8 @@ pub struct LayerWeightBytes {
     pub layer: usize,
     /// Payload bytes of the records below.
     pub bytes: u64,
+    /// Bytes of the buffers they are read into (each rounded up to 4 KiB).
+    pub buffer_bytes: u64,
     /// Manifest indices of the records.
     #[serde(skip)]
     pub records: Vec<usize>,
@@ -97,9 +99,11 @@ pub fn streamable_layers(
         let e = by_layer.entry(layer).or_insert(LayerWeightBytes {
             layer,
             bytes: 0,
+            buffer_bytes: 0,
             records: Vec::new(),
         });
         e.bytes += r.len;
+        e.buffer_bytes += r.len.div_ceil(4096) * 4096;
         e.records.push(i);
     }
     StreamableLayers {

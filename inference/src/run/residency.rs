@@ -41,7 +41,7 @@ pub struct Residency {
     pub streamed_layers: Vec<usize>,
     /// Their bytes: read once per forward (a decode token or a prefill chunk).
     pub streamed_bytes_per_forward: u64,
-    /// Buffers for the layer in use, the next one taken early and one being read ahead.
+    /// Buffers for the layer in use and the next one.
     pub stream_buffers: u64,
     pub kv_reserve: u64,
     pub scratch_reserve: u64,
@@ -76,12 +76,13 @@ impl Residency {
         layers.sort_unstable();
         layers.dedup();
         let bytes_of = |l: usize| streamable.layer(l).map_or(0, |w| w.bytes);
+        let buffer_of = |l: usize| streamable.layer(l).map_or(0, |w| w.buffer_bytes);
         let all: u64 = streamable.layers.iter().map(|l| l.bytes).sum();
         let streamed: u64 = layers.iter().map(|&l| bytes_of(l)).sum();
         self.layer_resident = all.saturating_sub(streamed);
         self.streamed_bytes_per_forward = streamed;
         self.stream_buffers = STREAM_BUFFER_LAYERS
-            .saturating_mul(layers.iter().map(|&l| bytes_of(l)).max().unwrap_or(0));
+            .saturating_mul(layers.iter().map(|&l| buffer_of(l)).max().unwrap_or(0));
         self.streamed_layers = layers;
         self.expert_memory = self.ram_budget.saturating_sub(
             self.base_rss
@@ -95,9 +96,9 @@ impl Residency {
     }
 }
 
-/// Layers streamed at once at most: the one computing, the next one (taken early for its
-/// expert prediction when its read has landed) and the one read ahead.
-pub const STREAM_BUFFER_LAYERS: u64 = 3;
+/// Layers streamed at once at most: the one computing and the next one (being read, or taken
+/// early for its expert prediction once its read has landed).
+pub const STREAM_BUFFER_LAYERS: u64 = 2;
 
 /// Per-sequence state for `positions` (Vec growth can leave up to 2x capacity).
 pub fn kv_reserve(per_position: u64, fixed: u64, positions: usize) -> u64 {
@@ -153,6 +154,7 @@ pub fn choose_residency(
     let mut by_bytes: Vec<usize> = streamable.layers.iter().map(|l| l.layer).collect();
     by_bytes.sort_unstable();
     let bytes_of = |l: usize| streamable.layer(l).map_or(0, |w| w.bytes);
+    let buffer_of = |l: usize| streamable.layer(l).map_or(0, |w| w.buffer_bytes);
     let all_layers: u64 = by_bytes.iter().map(|&l| bytes_of(l)).sum();
     let base = base_rss
         .saturating_add(fixed)
@@ -162,7 +164,7 @@ pub fn choose_residency(
         let streamed = spread(&by_bytes, count);
         let streamed_bytes: u64 = streamed.iter().map(|&l| bytes_of(l)).sum();
         let buffers = STREAM_BUFFER_LAYERS
-            .saturating_mul(streamed.iter().map(|&l| bytes_of(l)).max().unwrap_or(0));
+            .saturating_mul(streamed.iter().map(|&l| buffer_of(l)).max().unwrap_or(0));
         let held = all_layers - streamed_bytes;
         let need = base
             .saturating_add(held)
@@ -187,7 +189,7 @@ pub fn choose_residency(
     let least = base
         .saturating_add(
             STREAM_BUFFER_LAYERS
-                .saturating_mul(by_bytes.iter().map(|&l| bytes_of(l)).max().unwrap_or(0)),
+                .saturating_mul(by_bytes.iter().map(|&l| buffer_of(l)).max().unwrap_or(0)),
         )
         .saturating_add(expert_floor);
     Err(InferenceError::InvalidArgument(format!(
@@ -212,6 +214,7 @@ mod tests {
                 .map(|layer| LayerWeightBytes {
                     layer,
                     bytes,
+                    buffer_bytes: bytes,
                     records: vec![layer],
                 })
                 .collect(),

@@ -232,7 +232,7 @@ impl ExpertStore {
     /// groups read ahead of the one taken. Replaces any previous stream.
     pub fn stream_groups(&self, groups: Vec<StreamGroup>, ahead: usize) {
         *self.stream.lock().unwrap_or_else(|p| p.into_inner()) =
-            Arc::new(RecordStream::new(groups, ahead));
+            Arc::new(RecordStream::new(&self.engine, groups, ahead));
     }
 
     fn record_stream(&self) -> Arc<RecordStream> {
@@ -250,7 +250,7 @@ impl ExpertStore {
 
     /// Give a taken group back ([`RecordStream::give_back`]).
     pub fn give_back_group(&self, landed: LandedGroup) {
-        self.record_stream().give_back(landed);
+        self.record_stream().give_back(&self.engine, landed);
     }
 
     /// The streamed groups and their counters.

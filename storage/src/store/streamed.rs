@@ -3,10 +3,10 @@
 //!
 //! The groups are used in a fixed cyclic order (layer after layer, token after token), so the
 //! stream reads ahead: taking group `g` queues `g` on the demand lane if it is not already
-//! coming, then the next `ahead` groups (cyclically) on the prefetch lane, then waits for `g`.
+//! coming, then the groups after it (cyclically) on the prefetch lane, then waits for `g`.
 //! Buffers come back with [`RecordStream::give_back`] and are reused by the next reads of the
-//! same sizes, so a steady state allocates nothing. At most `ahead` groups are being read
-//! besides the ones taken.
+//! same sizes, so a steady state allocates nothing. At most `ahead + 1` groups are held at once,
+//! taken or being read: a group given back makes room for the next read.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -85,6 +85,8 @@ struct Reading {
 #[derive(Debug, Default)]
 struct StreamState {
     slots: Vec<Slot>,
+    /// The group taken last (reads ahead follow it).
+    last_taken: Option<usize>,
     free: Vec<AlignedBuf>,
     buffer_bytes: u64,
     stats: StreamStats,
@@ -95,17 +97,34 @@ struct StreamState {
 pub struct RecordStream {
     groups: Vec<StreamGroup>,
     ahead: usize,
+    /// Bytes of buffers the stream keeps at most: `ahead + 1` of its largest group (records
+    /// rounded up to 4 KiB). Free buffers are dropped before this would be passed.
+    cap: u64,
     state: Mutex<StreamState>,
     returned: Condvar,
 }
 
 impl RecordStream {
-    /// A stream of `groups`, reading `ahead` groups ahead of the one taken.
-    pub fn new(groups: Vec<StreamGroup>, ahead: usize) -> RecordStream {
+    /// A stream of `groups` of `engine`'s layout, reading `ahead` groups ahead of the one
+    /// taken.
+    pub fn new(engine: &Engine, groups: Vec<StreamGroup>, ahead: usize) -> RecordStream {
         let slots = groups.iter().map(|_| Slot::Idle).collect();
+        let largest = groups
+            .iter()
+            .map(|g| {
+                g.records
+                    .iter()
+                    .map(|&r| {
+                        align_up(engine.manifest().records.get(r).map_or(0, |e| e.len).max(1))
+                    })
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0);
         RecordStream {
             groups,
             ahead,
+            cap: largest.saturating_mul(ahead as u64 + 1),
             state: Mutex::new(StreamState {
                 slots,
                 ..StreamState::default()
@@ -160,17 +179,18 @@ impl RecordStream {
         for &r in records {
             let len = engine.manifest().records.get(r).map_or(0, |e| e.len);
             let need = align_up(len.max(1)) as usize;
-            // The smallest free buffer that holds it (a steady state finds the exact one).
-            let pick = st
-                .free
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.capacity() >= need)
-                .min_by_key(|(_, b)| b.capacity())
-                .map(|(i, _)| i);
+            // A free buffer of exactly this size (the previous read of the same record, in a
+            // steady state): reusing a larger one could leave a later record none to fit and
+            // grow the buffers past their cap.
+            let pick = st.free.iter().position(|b| b.capacity() == need);
             let buf = match pick {
                 Some(i) => st.free.swap_remove(i),
                 None => {
+                    // Drop free buffers of other sizes rather than grow past the cap.
+                    while st.buffer_bytes + need as u64 > self.cap {
+                        let Some(b) = st.free.pop() else { break };
+                        st.buffer_bytes = st.buffer_bytes.saturating_sub(b.capacity() as u64);
+                    }
                     st.buffer_bytes += need as u64;
                     st.stats.peak_buffer_bytes = st.stats.peak_buffer_bytes.max(st.buffer_bytes);
                     AlignedBuf::zeroed(need)
@@ -242,18 +262,13 @@ impl RecordStream {
             return Ok(None);
         };
         let ready = reading.landed.len() == reading.wanted;
+        st.last_taken = Some(g);
         // Read ahead while this one is used.
-        let n = self.groups.len();
-        for i in 1..=self.ahead.min(n.saturating_sub(1)) {
-            let next = (g + i) % n;
-            if matches!(st.slots[next], Slot::Idle) {
-                if let Err(e) = self.start(engine, &mut st, next, Lane::Prefetch) {
-                    st.slots[g] = Slot::Idle;
-                    drop(st);
-                    cancel(Slot::Reading(reading));
-                    return Err(e);
-                }
-            }
+        if let Err(e) = self.read_ahead(engine, &mut st) {
+            st.slots[g] = Slot::Idle;
+            drop(st);
+            cancel(Slot::Reading(reading));
+            return Err(e);
         }
         drop(st);
         while reading.landed.len() < reading.wanted {
@@ -301,9 +316,28 @@ impl RecordStream {
         Ok(Some(LandedGroup { group: g, records }))
     }
 
+    /// Queue the groups after the last one taken, as long as fewer than `ahead + 1` are held.
+    fn read_ahead(&self, engine: &Engine, st: &mut StreamState) -> Result<()> {
+        let Some(last) = st.last_taken else {
+            return Ok(());
+        };
+        let n = self.groups.len();
+        for i in 1..=self.ahead.min(n.saturating_sub(1)) {
+            let held = st.slots.iter().filter(|s| !matches!(s, Slot::Idle)).count();
+            if held > self.ahead {
+                break;
+            }
+            let next = (last + i) % n;
+            if matches!(st.slots[next], Slot::Idle) {
+                self.start(engine, st, next, Lane::Prefetch)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Return a taken group: its buffers are reused by later reads (a buffer some holder still
-    /// shares is dropped by that holder instead).
-    pub fn give_back(&self, landed: LandedGroup) {
+    /// shares is dropped by that holder instead), and the next group can be read ahead.
+    pub fn give_back(&self, engine: &Engine, landed: LandedGroup) {
         let mut st = self.lock();
         for (_, buf) in landed.records {
             match Arc::try_unwrap(buf) {
@@ -316,6 +350,8 @@ impl RecordStream {
         if let Some(slot) = st.slots.get_mut(landed.group) {
             *slot = Slot::Idle;
         }
+        // A failed read-ahead is retried (and reported) when its group is taken.
+        let _ = self.read_ahead(engine, &mut st);
         drop(st);
         self.returned.notify_all();
     }
