@@ -177,18 +177,20 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         "  state + scratch       {:>10}",
         human(p.state_bytes + p.scratch_bytes)
     );
+    let r = &p.residency;
     println!(
-        "  non-expert resident   {:>10}  (embeddings {})",
+        "  non-expert resident   {:>10}  (embeddings, head, small tensors {}; {} of {} layers' \
+         matrices)",
         human(p.resident_bytes),
-        if p.embeddings_resident {
-            "resident"
-        } else {
-            "read by row"
-        }
+        human(r.fixed_resident),
+        m.streamable.layers.len() - r.streamed_layers.len(),
+        m.streamable.layers.len()
     );
     println!(
-        "  non-expert streamed   {:>10}  per token (does not fit; read every token)",
-        human(p.streamed_nonexpert_bytes_per_token)
+        "  non-expert streamed   {:>10}  per token: layers {:?} (read every forward; buffers {})",
+        human(p.streamed_nonexpert_bytes_per_token),
+        r.streamed_layers,
+        human(r.stream_buffers)
     );
     println!(
         "  expert cache          {:>10}  ({:.1} experts per MoE layer; hit rate {:.1}%: {})",
@@ -255,14 +257,6 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         p.prompt
     );
     println!("  => {:.2} s", p.ttft_s);
-    if p.streamed_nonexpert_bytes_per_token > 0 {
-        println!(
-            "note: `generate --ram-budget {}` streams whole decoder layers' matrices (the fewest \
-             that make the rest fit, spread over the depth), so it may stream a little more \
-             than the {} this plan assumes",
-            human(p.ram_budget_bytes),
-            human(p.streamed_nonexpert_bytes_per_token)
-        );
-    }
+
     Ok(())
 }

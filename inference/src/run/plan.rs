@@ -6,11 +6,12 @@
 //! - **Bytes by kind** from the config's tensor list (`synth::tensors`, the same names and
 //!   shapes a checkpoint of that config holds), routed experts in the config's packed format,
 //!   the rest BF16 unless `dense` packs it (as `layout --quantize-dense` would).
-//! - **RAM**: a reserve for the OS and the runtime, the per-sequence state for the context,
-//!   scratch; then the non-expert weights by benefit per byte (every per-layer weight and the
-//!   head are read every token: 1 byte saved per byte held; the embeddings only one row per
-//!   token: last), then the expert cache with the rest. What does not fit is read from the
-//!   drives every token.
+//! - **RAM**: a reserve for the OS outside the process; the rest is what `generate
+//!   --ram-budget` gets, split exactly as the runtime splits it ([`choose_residency`]): the
+//!   process itself, embeddings, head and small tensors, the per-sequence state for the
+//!   context, scratch, every layer's matrices held (1 byte read saved per token per byte) once
+//!   the expert buffers have a floor of two layers' experts, else the fewest whole layers
+//!   streamed (read every forward, two layers' buffers), and the expert cache with the rest.
 //! - **Hit rate**: the cache spread evenly over the MoE layers; routing assumed uniform and
 //!   independent between tokens, so a layer caching `c` of its `E` experts hits `c / E` (real
 //!   routing is skewed and repeats, so this is a floor; `hit_rate` overrides it).
@@ -33,6 +34,12 @@ use crate::config::ModelConfig;
 use crate::error::{InferenceError, Result};
 use crate::family::expert_naming;
 use crate::quantize::{DenseFormats, ExpertFormat};
+use crate::run::residency::{choose_residency, RamRequest, Residency};
+use crate::streamed_layer::{layer_of, LayerWeightBytes, StreamableLayers, MIN_STREAMED_RECORD};
+
+/// The process before its weights (binary, runtime, tokenizer), as measured on a layout's
+/// `generate` (VmRSS before the resident set is read: 40-90 MiB here).
+pub const RUNTIME_BASE_BYTES: u64 = 96 << 20;
 
 /// How a plan is asked for.
 #[derive(Clone, Debug)]
@@ -93,6 +100,11 @@ pub struct ModelBytes {
     /// Per-sequence state: bytes per position and fixed.
     pub state_per_position: u64,
     pub state_fixed: u64,
+    /// What each decoder layer could stream, as a layout of this config would name it (the
+    /// runtime streams whole layers' matrices: [`crate::streamed_layer`]).
+    pub streamable: StreamableLayers,
+    #[serde(skip)]
+    pub config: ModelConfig,
 }
 
 /// The plan and its prediction.
@@ -113,6 +125,8 @@ pub struct Plan {
     pub cached_experts_per_layer: f64,
     pub hit_rate: f64,
     pub hit_rate_assumed: String,
+    /// The RAM split as `generate --ram-budget` makes it.
+    pub residency: Residency,
     pub drive_bw: Vec<f64>,
     pub io_efficiency: f64,
     pub expert_bytes_per_token: u64,
@@ -170,6 +184,7 @@ pub fn model_bytes(config: &Value, dense: DenseFormats) -> Result<ModelBytes> {
     let mut touched: BTreeMap<String, u64> = BTreeMap::new();
     let mut macs_by: BTreeMap<String, u64> = BTreeMap::new();
     let mut expert_macs_by_layer: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut streamable: BTreeMap<usize, LayerWeightBytes> = BTreeMap::new();
     for t in &tensors {
         let name = t.spec.name.as_str();
         let shape = &t.spec.shape;
@@ -226,6 +241,19 @@ pub fn model_bytes(config: &Value, dense: DenseFormats) -> Result<ModelBytes> {
                 } else {
                     layer_resident += bytes;
                 }
+                // The layout's record for this tensor: streamable as `streamable_layers` says.
+                if let Some(l) = layer_of(name, &naming.layers_prefix)
+                    .filter(|_| rows > 1 && bytes >= MIN_STREAMED_RECORD)
+                {
+                    let e = streamable.entry(l).or_insert(LayerWeightBytes {
+                        layer: l,
+                        bytes: 0,
+                        buffer_bytes: 0,
+                        records: Vec::new(),
+                    });
+                    e.bytes += bytes;
+                    e.buffer_bytes += bytes.div_ceil(4096) * 4096;
+                }
                 if rows > 0 {
                     *macs_by.entry(fmt.clone()).or_default() += elems;
                 }
@@ -271,6 +299,11 @@ pub fn model_bytes(config: &Value, dense: DenseFormats) -> Result<ModelBytes> {
         macs_per_token_by_format: macs_by,
         state_per_position,
         state_fixed,
+        streamable: StreamableLayers {
+            layers: streamable.into_values().collect(),
+            resident_bytes: layer_resident + head + embeddings,
+        },
+        config: cfg,
     })
 }
 
@@ -321,27 +354,28 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
         ));
     }
     let ram = input.ram_bytes;
-    // The OS, the binary, allocator slack and I/O buffers.
+    // The OS and allocator slack outside the process's budget.
     let reserve = (1u64 << 30).max(ram / 25);
-    let state = model.state_per_position * input.context as u64 + model.state_fixed;
-    let scratch = 256u64 << 20;
-    let mut left = ram.saturating_sub(reserve + state + scratch);
-    // Non-expert weights by benefit per byte: the per-layer weights and the head (read whole
-    // every token), then the embeddings (one row per token).
-    let mut resident = 0u64;
-    let mut streamed = 0u64;
-    for bytes in [model.layer_resident, model.head] {
-        let keep = bytes.min(left);
-        resident += keep;
-        left -= keep;
-        streamed += bytes - keep;
-    }
-    let embeddings_resident = model.embeddings <= left;
-    if embeddings_resident {
-        resident += model.embeddings;
-        left -= model.embeddings;
-    }
-    let cache = left;
+    // The runtime's own split of the rest (`generate --ram-budget`): the same function, on the
+    // config's tensor list instead of a layout's records.
+    let residency = choose_residency(
+        &model.streamable,
+        &model.config,
+        (model.state_per_position, model.state_fixed),
+        model.expert_bytes.div_ceil(4096) * 4096,
+        RUNTIME_BASE_BYTES,
+        &RamRequest {
+            ram_budget: ram.saturating_sub(reserve),
+            max_positions: input.context,
+            chunk: crate::generate::DEFAULT_PREFILL_CHUNK,
+        },
+    )?;
+    let state = residency.kv_reserve;
+    let scratch = residency.scratch_reserve + residency.base_rss + residency.stream_buffers;
+    let resident = residency.fixed_resident + residency.layer_resident;
+    let streamed = residency.streamed_bytes_per_forward;
+    let embeddings_resident = true;
+    let cache = residency.expert_memory;
     let moe_layers = model.moe_layers.max(1) as f64;
     let cached_per_layer = if model.expert_bytes == 0 {
         0.0
@@ -392,7 +426,11 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
     let p = input.prompt.max(1) as f64;
     let touched_experts = e * (1.0 - (1.0 - k / e).powf(p));
     let missed = touched_experts * (1.0 - hit);
-    let prefill_read = (missed * moe_layers * model.expert_bytes as f64) as u64 + streamed;
+    // Streamed layers are read once per prefill chunk.
+    let chunks =
+        (input.prompt.max(1) as u64).div_ceil(crate::generate::DEFAULT_PREFILL_CHUNK as u64);
+    let prefill_read =
+        (missed * moe_layers * model.expert_bytes as f64) as u64 + streamed.saturating_mul(chunks);
     let prefill_io = prefill_read as f64 / bw;
     let mut prefill_compute = 0.0;
     for (fmt, macs) in &model.macs_per_token_by_format {
@@ -418,6 +456,7 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
         cached_experts_per_layer: cached_per_layer,
         hit_rate: hit,
         hit_rate_assumed: assumed,
+        residency,
         drive_bw: input.drive_bw.clone(),
         io_efficiency: input.io_efficiency,
         expert_bytes_per_token: expert_per_token,
@@ -501,10 +540,17 @@ mod tests {
             hit_rate: None,
             tokens: None,
         };
-        let spine = m.layer_resident + m.head;
-        let small = plan(m.clone(), &input(spine / 2), rates.clone()).unwrap();
-        assert!(small.streamed_nonexpert_bytes_per_token > 0 && small.expert_cache_bytes == 0);
-        assert_eq!(small.hit_rate, 0.0);
+        // 8 GiB (7 for the process) holds less than the 5.5 GiB of non-expert weights plus the
+        // state, scratch and expert floor: layers are
+        // streamed, the experts get little more than their floor.
+        let small = plan(m.clone(), &input(8 << 30), rates.clone()).unwrap();
+        assert!(small.streamed_nonexpert_bytes_per_token > 0);
+        let r = &small.residency;
+        assert!(!r.streamed_layers.is_empty() && r.expert_memory >= r.expert_floor);
+        assert!(small.hit_rate < 0.2, "{}", small.hit_rate);
+        // Too little RAM even streaming every layer: an error that says how much is needed.
+        let e = plan(m.clone(), &input(4 << 30), rates.clone()).unwrap_err();
+        assert!(e.to_string().contains("give at least"), "{e}");
         let big = plan(m.clone(), &input(64 << 30), rates.clone()).unwrap();
         assert_eq!(big.streamed_nonexpert_bytes_per_token, 0);
         assert!(big.hit_rate > 0.99, "{}", big.hit_rate);
@@ -518,7 +564,7 @@ mod tests {
             (c.hit_rate - (1.0 - 64.0 * (1.0 - (56.0f64 / 64.0).powi(32)) / 256.0)).abs() < 1e-9
         );
         // Twice the drives, half the read time.
-        let mut two = input(spine / 2);
+        let mut two = input(8 << 30);
         two.drive_bw = vec![1e9; 4];
         let p2 = plan(m, &two, rates).unwrap();
         assert!((p2.decode_io_s * 2.0 - small.decode_io_s).abs() < 1e-9);
