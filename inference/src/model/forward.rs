@@ -354,6 +354,7 @@ impl Model {
                 LayerSlot::Streamed(_) => {
                     held = match next_held.take() {
                         Some(h) => h,
+                        // Waiting: `hold_layer` gives the layer or an error, never `None`.
                         None => self.hold_layer(li, true)?.ok_or_else(|| {
                             InferenceError::InvalidArgument(format!(
                                 "decoder layer {li}'s streamed weights are missing"
