@@ -2,24 +2,39 @@
 # Issue 14: decode with memory capped at --cap-percent (40) of the model, deltafin vs llama.cpp,
 # on the files benches/vs_llamacpp.sh made (run it first). Both run in a cgroup v1 memory
 # group limited to that many bytes (page cache included); deltafin streams the experts from a
-# one-drive layout (a directory on this machine's disk) with --ram-budget at the cap, llama.cpp
-# maps the GGUF (llama-bench tg, mmap). Page cache dropped before each run. Also the overlap
-# of deltafin's reads and compute: generation time per token over max(I/O time per token, the
-# drive's busy time (a read outstanding) per token; compute time per token in RAM, `bench
-# compute`). Writes
-# benches/results/vs_llamacpp_cap.json.
+# one-drive layout with --ram-budget at the cap, llama.cpp maps the GGUF (llama-bench tg,
+# mmap, --repack 0). Page cache dropped before each run.
 #
-#   sudo benches/vs_llamacpp_cap.sh [--formats int4,q8] [--cap-percent 40] [--decode 16]
+# The drive: by default a directory on this machine's (virtual) disk. With --throttle BPS, one
+# emulated drive instead (benches/emulated_drives.sh: a loop device with a cgroup v1 blkio read
+# throttle of BPS bytes/s) holding both engines' files, and both engines run throttled: a
+# drive whose rate is known, as an SSD's is.
+#
+# Overlap of deltafin's reads and compute, per decoded token:
+#   I/O time     = bytes read per decoded token / the drive's rate: the throttle, or (the
+#                  virtual disk) what fio reads of the layout's data file in the engine's
+#                  pattern (O_DIRECT pread, 512 KiB random pieces, one job per engine thread)
+#                  in the same minute
+#   compute time = decode time per token of the same model in RAM (`bench compute`, median)
+#   ratio        = decode time per token / max(I/O time, compute time)       (target <= 1.1)
+# The drive's busy time (a read outstanding) is recorded too. Writes
+# benches/results/vs_llamacpp_cap${OUT_SUFFIX}.json.
+#
+#   sudo benches/vs_llamacpp_cap.sh [--formats int4,q8,bf16] [--cap-percent 40] [--decode 16]
+#        [--throttle BPS] [--rounds 1]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 ORIG_ARGS="$*"
-FORMATS=int4,q8; PCT=40; DECODE=16; LLAMA_TIMEOUT=${LLAMA_TIMEOUT:-1800}
+FORMATS=int4,q8,bf16; PCT=40; DECODE=16; THROTTLE=""; ROUNDS=1
+LLAMA_TIMEOUT=${LLAMA_TIMEOUT:-1800}; THREADS_PER_DRIVE=4
 while [ $# -gt 0 ]; do
     case $1 in
         --formats) FORMATS=$2; shift 2 ;;
         --cap-percent) PCT=$2; shift 2 ;;
         --decode) DECODE=$2; shift 2 ;;
+        --throttle) THROTTLE=$2; shift 2 ;;
+        --rounds) ROUNDS=$2; shift 2 ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -29,92 +44,118 @@ lbin="$LLAMA_DIR/build/bin"
 work=${BENCH_WORK:-/var/tmp/deltafin-bench-model}/vs-llamacpp
 bin=${DELTAFIN_BIN:-$repo/target/release/deltafin}
 [ -x "$bin" ] || cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
+command -v fio > /dev/null || { echo "needs fio" >&2; exit 1; }
 cg=/sys/fs/cgroup/memory/deltafin-cap
 mkdir -p "$cg"
-drive="$work/cap-drive"
+if [ -n "$THROTTLE" ]; then
+    source "$here/emulated_drives.sh"
+    drives_setup 1 24 "$THROTTLE"
+    drive="$BENCH_MNT/d0"
+    blk="$BENCH_CGROUP"
+else
+    drive="$work/cap-drive"
+    blk=""
+fi
 cleanup() {
     for p in $(cat "$cg/cgroup.procs" 2>/dev/null); do echo "$p" > /sys/fs/cgroup/memory/cgroup.procs; done
     rmdir "$cg" 2>/dev/null || true
-    rm -rf "$drive"
+    [ -n "$THROTTLE" ] && drives_teardown
+    [ -n "$THROTTLE" ] || rm -rf "$drive"
 }
 trap cleanup EXIT
-in_cap() { bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" "$@"; }
+# Into the memory cap (and the drive's throttle), then exec.
+in_cap() { bash -c 'echo $$ > "$0/cgroup.procs" && { [ -z "$1" ] || echo $$ > "$1/cgroup.procs"; } && shift && exec "$@"' "$cg" "$blk" "$@"; }
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 raw=$(mktemp)
 IFS=, read -r -a formats <<< "$FORMATS"
 for f in "${formats[@]}"; do
     model="$work/ds-$f"
+    [ -f "$model/config.json" ] || { echo "no $model: run benches/vs_llamacpp.sh first" >&2; exit 1; }
     bytes=$(du -sb "$model" | cut -f1)
     cap=$(( bytes * PCT / 100 ))
     echo "$cap" > "$cg/memory.limit_in_bytes"
-    rm -rf "$drive"; mkdir -p "$drive"
+    [ -n "$THROTTLE" ] || { rm -rf "$drive"; mkdir -p "$drive"; }
     "$bin" layout --model "$model" --drive "$drive" --name "ds-$f" --force -q >&2
-    drop
-    # Overlap: the drive's time for the bytes a token reads (read as decoding reads them,
-    # `bench io`, hashes checked as generate checks them) and the compute time of a token
-    # in RAM (`bench compute` with the page cache warm, no cap), against the decode time.
-    drop
-    io_gbps=$("$bin" bench io "$drive/ds-$f" --seconds 8 --rounds 2 --hash-check all --no-fio --json 2>/dev/null |
-        tail -1 | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['gb_per_s'])")
+    ggufs=()
+    for g in "$work/ds-$f.gguf" "$work/ds-$f-experts.gguf"; do
+        [ -f "$g" ] || continue # bf16 has no experts-only variant
+        if [ -n "$THROTTLE" ]; then cp "$g" "$drive/"; ggufs+=("$drive/$(basename "$g")"); else ggufs+=("$g"); fi
+    done
+    # Compute time of a token in RAM (page cache warm, no cap).
     cat "$model"/*.safetensors > /dev/null
     compute_tps=$("$bin" bench compute "$model" --prompt 1 --decode "$DECODE" --runs 3 --json 2>/dev/null |
         tail -1 | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['decode_tokens_per_s_median'])")
-    drop
-    in_cap "$bin" generate --model "$drive/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos \
-        --ram-budget "$cap" --json -q 2>/dev/null | tail -1 | python3 -c "
+    for ((r = 0; r < ROUNDS; r++)); do
+        # The drive's rate for deltafin's reads: the throttle, or fio in the same pattern.
+        drop
+        if [ -n "$THROTTLE" ]; then
+            rate=$THROTTLE
+        else
+            rate=$(fio --name=r --filename="$drive/ds-$f/data.bin" --rw=randread --bs=512k --direct=1 \
+                --ioengine=psync --numjobs=$THREADS_PER_DRIVE --runtime=8 --time_based --group_reporting \
+                --output-format=json 2>/dev/null | python3 -c "import json,sys; print(json.load(sys.stdin)['jobs'][0]['read']['bw_bytes'])")
+        fi
+        drop
+        in_cap "$bin" generate --model "$drive/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos \
+            --ram-budget "$cap" --threads-per-drive $THREADS_PER_DRIVE --json -q 2>/dev/null | tail -1 | python3 -c "
 import json, sys
 x = json.loads(sys.stdin.read())
 s = x['decode_s_per_token']
-# I/O time per token: the drive's busy time (a read outstanding) over the whole generation,
-# per generated token; against the whole generation's time per token.
 n = x['tokens']
 busy_s = sum(d['busy_s'] for d in x['drive_stats'])
-io_s = busy_s / n
-gen_s = x['total_s'] / n
+io_s = x['bytes_read_per_token'] / $rate
 compute_s = 1.0 / $compute_tps
-print(json.dumps({'engine': 'deltafin', 'format': '$f', 'cap_bytes': $cap, 'model_bytes': $bytes,
+print(json.dumps({'engine': 'deltafin', 'format': '$f', 'round': $r, 'cap_bytes': $cap, 'model_bytes': $bytes,
                   'tokens_per_s': 1.0 / s, 'peak_rss_bytes': x['peak_rss_bytes'],
-                  'bytes_read_per_token': x.get('bytes_read_per_token'),
-                  'decode_io_stall_s': x.get('decode_io_stall_s'), 'expert_cache_hit_rate': x.get('expert_cache_hit_rate'),
-                  'drive_gb_per_s_bench_io': $io_gbps, 'io_s_per_token_at_bench_io_rate': x['bytes_read_per_token'] / ($io_gbps * 1e9),
-                  'drive_busy_s': busy_s, 'tokens': n, 'total_s': x['total_s'],
-                  'io_s_per_token': io_s, 'compute_s_per_token': compute_s,
-                  'decode_s_per_token': s, 'generation_s_per_token': gen_s,
-                  'overlap_ratio': gen_s / max(io_s, compute_s)}))" >> "$raw"
-    rm -rf "$drive"
-    for g in "$work/ds-$f.gguf" "$work/ds-$f-experts.gguf"; do
-        [ -f "$g" ] || continue # bf16 has no experts-only variant
-        drop
-        # --repack 0: with the default repack, llama.cpp copies quantized weights into
-        # anonymous memory at load, more than the cap holds (a first try did not finish
-        # loading in 12 minutes); mapped as stored, the page cache can hold what fits.
-        in_cap timeout "$LLAMA_TIMEOUT" "$lbin/llama-bench" -m "$g" -t 2 -p 0 -n "$DECODE" -r 1 --repack 0 \
-            -o jsonl 2>/dev/null | python3 -c "
+                  'bytes_read_per_token': x['bytes_read_per_token'],
+                  'decode_io_stall_s': x.get('decode_io_stall_s'),
+                  'decode_expert_cache_hit_rate': x.get('decode_expert_cache_hit_rate'),
+                  'drive_rate_bytes_per_s': $rate, 'drive_rate_source': 'throttle' if '$THROTTLE' else 'fio',
+                  'drive_busy_s_per_token': busy_s / n, 'tokens': n,
+                  'io_s_per_token': io_s, 'compute_s_per_token': compute_s, 'decode_s_per_token': s,
+                  'overlap_ratio': s / max(io_s, compute_s)}))" >> "$raw"
+        for g in "${ggufs[@]}"; do
+            drop
+            in_cap timeout "$LLAMA_TIMEOUT" "$lbin/llama-bench" -m "$g" -t 2 -p 0 -n "$DECODE" -r 1 --repack 0 \
+                -o jsonl 2>/dev/null | python3 -c "
 import json, sys
 for l in sys.stdin:
     x = json.loads(l)
-    print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'file': '$(basename "$g")', 'cap_bytes': $cap,
-                      'tokens_per_s': x['avg_ts']}))" >> "$raw"
+    print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'round': $r, 'file': '$(basename "$g")', 'cap_bytes': $cap,
+                      'tokens_per_s': x['avg_ts']}))" >> "$raw" || echo "llama-bench on $g failed or timed out" >&2
+        done
     done
+    if [ -n "$THROTTLE" ]; then rm -rf "$drive/ds-$f" "$drive"/*.gguf; fstrim "$drive" || true; else rm -rf "$drive"; fi
 done
-BENCH_CMD="benches/vs_llamacpp_cap.sh $ORIG_ARGS" python3 - "$raw" "$repo/benches/results/vs_llamacpp_cap.json" "$PCT" <<'PY'
-import json, os, sys, datetime
+BENCH_CMD="benches/vs_llamacpp_cap.sh $ORIG_ARGS" THROTTLE="$THROTTLE" python3 - "$raw" \
+    "$repo/benches/results/vs_llamacpp_cap${OUT_SUFFIX:-}.json" "$PCT" <<'PY'
+import json, os, sys, datetime, statistics
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 table = []
-for d in [r for r in rows if r["engine"] == "deltafin"]:
-    for l in [r for r in rows if r["engine"] == "llama.cpp" and r["format"] == d["format"]]:
-        table.append({"format": d["format"], "llama_cpp_file": l["file"], "cap_bytes": d["cap_bytes"],
-                      "deltafin_tokens_per_s": d["tokens_per_s"], "llama_cpp_tokens_per_s": l["tokens_per_s"],
-                      "ratio": d["tokens_per_s"] / l["tokens_per_s"],
-                      "overlap_ratio": d.get("overlap_ratio"), "io_s_per_token": d.get("io_s_per_token"),
-                      "compute_s_per_token": d.get("compute_s_per_token")})
+for f in dict.fromkeys(r["format"] for r in rows):
+    ours = [r for r in rows if r["engine"] == "deltafin" and r["format"] == f]
+    for file in dict.fromkeys(r["file"] for r in rows if r["engine"] == "llama.cpp" and r["format"] == f):
+        theirs = [r for r in rows if r["engine"] == "llama.cpp" and r["format"] == f and r["file"] == file]
+        o = statistics.median(r["tokens_per_s"] for r in ours)
+        t = statistics.median(r["tokens_per_s"] for r in theirs)
+        table.append({"format": f, "llama_cpp_file": file, "cap_bytes": ours[0]["cap_bytes"],
+                      "deltafin_tokens_per_s": o, "llama_cpp_tokens_per_s": t, "ratio": o / t,
+                      "overlap_ratio": statistics.median(r["overlap_ratio"] for r in ours),
+                      "overlap_ratios": [r["overlap_ratio"] for r in ours],
+                      "io_s_per_token": statistics.median(r["io_s_per_token"] for r in ours),
+                      "compute_s_per_token": ours[0]["compute_s_per_token"],
+                      "decode_s_per_token": statistics.median(r["decode_s_per_token"] for r in ours)})
+thr = os.environ.get("THROTTLE")
 out = {"benchmark": f"decode with memory capped at {sys.argv[3]}% of the model (cgroup v1), 2 threads",
        "command": os.environ.get("BENCH_CMD"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-       "drive": "one directory on this machine's virtual disk (no throttle)", "table": table, "runs": rows}
+       "drive": (f"one emulated drive (loop device, blkio read throttle {thr} B/s), both engines' files on it"
+                 if thr else "one directory on this machine's virtual disk (no throttle); I/O time at fio's rate"),
+       "table": table, "runs": rows}
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for t in table:
     print(f"{t['format']:5} {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
           f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  ratio {t['ratio']:.1f}x  "
-          f"decode/max(io, compute) {t['overlap_ratio']:.2f} (io {t['io_s_per_token']*1e3:.1f} ms, compute {t['compute_s_per_token']*1e3:.1f} ms)")
+          f"decode/max(io, compute) {t['overlap_ratio']:.2f} (io {t['io_s_per_token']*1e3:.1f} ms, "
+          f"compute {t['compute_s_per_token']*1e3:.1f} ms, decode {t['decode_s_per_token']*1e3:.1f} ms)")
 PY
 rm -f "$raw"

@@ -93,6 +93,7 @@ pub mod rope;
 pub mod run;
 pub mod sampler;
 pub mod snapshot;
+pub mod spans;
 pub mod speculative;
 pub mod streamed_layer;
 pub mod synth;

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use deltafin_inference::generate::DEFAULT_PREFILL_CHUNK;
-use deltafin_inference::{generate, GenerateConfig, KernelConfig};
+use deltafin_inference::{generate, spans, GenerateConfig, KernelConfig};
 use deltafin_storage::engine::HashCheck;
 use serde_json::json;
 
@@ -39,6 +39,67 @@ pub struct BenchComputeArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Time the forward pass's phases (built-in span timer) and print where a prefill and a
+    /// decoded token spend their time.
+    #[arg(long)]
+    pub profile: bool,
+}
+
+/// Span totals summed over runs.
+#[derive(Default)]
+struct PhaseSums(Vec<spans::PhaseTime>);
+
+impl PhaseSums {
+    /// Add what the timer has gathered since its last reset, then reset it.
+    fn take(&mut self) {
+        for p in spans::report() {
+            match self.0.iter_mut().find(|q| q.phase == p.phase) {
+                Some(q) => {
+                    q.calls += p.calls;
+                    q.total_s += p.total_s;
+                    q.self_s += p.self_s;
+                }
+                None => self.0.push(p),
+            }
+        }
+        spans::reset();
+    }
+
+    /// Per unit (a prefill, a decoded token), in milliseconds.
+    fn json(&self, units: f64) -> serde_json::Value {
+        self.0
+            .iter()
+            .map(|p| {
+                json!({"phase": p.phase, "parent": p.parent, "calls": p.calls as f64 / units,
+                       "total_ms": 1e3 * p.total_s / units, "self_ms": 1e3 * p.self_s / units})
+            })
+            .collect()
+    }
+
+    fn print(&self, what: &str, units: f64) {
+        let forward = self
+            .0
+            .iter()
+            .find(|p| p.phase == "forward")
+            .map_or(0.0, |p| p.total_s);
+        eprintln!(
+            "{what}: {:.3} ms in the forward pass",
+            1e3 * forward / units
+        );
+        eprintln!(
+            "  {:24} {:>10} {:>10} {:>7}",
+            "phase", "self ms", "total ms", "self %"
+        );
+        for p in &self.0 {
+            eprintln!(
+                "  {:24} {:10.3} {:10.3} {:6.1}%",
+                p.phase,
+                1e3 * p.self_s / units,
+                1e3 * p.total_s / units,
+                100.0 * p.self_s / forward.max(1e-12)
+            );
+        }
+    }
 }
 
 pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
@@ -91,11 +152,17 @@ pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
     timed(&prompt, 4)?;
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
+    let (mut prefill_spans, mut decode_spans) = (PhaseSums::default(), PhaseSums::default());
+    spans::set_enabled(a.profile);
+    spans::reset();
     for _ in 0..a.runs.max(1) {
         let (start, times) = timed(&prompt, 1)?;
+        prefill_spans.take();
         let ttft = times.first().map(|t| t.duration_since(start).as_secs_f64());
         prefill.push(ttft.map(|s| a.prompt as f64 / s).unwrap_or(f64::NAN));
+        // The one-token prompt's forward is timed with the decode steps' (it is one).
         let (_, times) = timed(&one, a.decode + 1)?;
+        decode_spans.take();
         let rate = match (times.first(), times.last()) {
             (Some(f), Some(l)) if times.len() > 1 => {
                 (times.len() - 1) as f64 / l.duration_since(*f).as_secs_f64()
@@ -104,8 +171,21 @@ pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
         };
         decode.push(rate);
     }
+    spans::set_enabled(false);
     let isa = format!("{:?}", KernelConfig::default().isa);
     let (pm, dm) = (median(prefill.clone()), median(decode.clone()));
+    let runs = a.runs.max(1) as f64;
+    // Decode runs: `decode + 1` one-position forwards each (the prompt's, then every
+    // generated token's but the last).
+    let decode_units = runs * (a.decode + 1) as f64;
+    if a.profile {
+        prefill_spans.print(&format!("prefill of {} tokens", a.prompt), runs);
+        decode_spans.print("decode, per token", decode_units);
+    }
+    let profile = a.profile.then(|| {
+        json!({"prefill_per_run": prefill_spans.json(runs),
+               "decode_per_token": decode_spans.json(decode_units)})
+    });
     if a.json {
         println!(
             "{}",
@@ -121,6 +201,7 @@ pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
                 "prefill_tokens_per_s_median": pm,
                 "decode_tokens_per_s_median": dm,
                 "machine": machine(),
+                "profile": profile,
             })
         );
     } else {

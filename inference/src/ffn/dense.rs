@@ -24,17 +24,16 @@ impl DenseMlp {
         // Gate and up in one pass over the same (once-quantized) inputs.
         let mut gu = Linear::forward_many(&[&self.gate_proj, &self.up_proj], x, n).into_iter();
         let (g, u) = (gu.next().unwrap_or_default(), gu.next().unwrap_or_default());
-        let h: Vec<f32> = g
-            .iter()
-            .zip(&u)
-            .map(|(&g, &u)| self.act.gated(g, u))
-            .collect();
+        let mut h = vec![0f32; g.len()];
+        self.act.gated_into(&g, &u, &mut h);
         self.down_proj.forward(&h, n)
     }
 }
 
 impl FeedForward for DenseMlp {
     fn forward(&self, x: &[f32], n: usize, _ctx: &mut FfnContext<'_>) -> Result<Vec<f32>> {
-        Ok(self.apply(x, n))
+        Ok(crate::spans::timed(crate::spans::Phase::Dense, || {
+            self.apply(x, n)
+        }))
     }
 }

@@ -26,6 +26,7 @@ use crate::linear::matrix::WeightMatrix;
 use crate::linear::owned::Linear;
 use crate::linear::resolve::{resolve_matrix, MatrixParts, QuantHints};
 use crate::ops::{Activation, RmsNorm};
+use crate::spans::{span, timed, Phase};
 use crate::weights::ExpertView;
 
 /// Routed experts plus optional always-on shared experts.
@@ -75,11 +76,11 @@ impl FeedForward for MoeFfn {
     fn forward(&self, full: &[f32], n: usize, ctx: &mut FfnContext<'_>) -> Result<Vec<f32>> {
         let hd = self.experts.hidden;
         let layer = ctx.layer;
-        let routes = self.router.route(full, n);
+        let routes = timed(Phase::Router, || self.router.route(full, n));
         let latent_x;
         let x: &[f32] = match &self.latent {
             Some(l) => {
-                latent_x = l.down.forward(full, n);
+                latent_x = timed(Phase::Latent, || l.down.forward(full, n));
                 &latent_x
             }
             None => full,
@@ -157,6 +158,7 @@ impl FeedForward for MoeFfn {
                 if s.is_some() {
                     shared_out = s;
                 }
+                let _combine_span = span(Phase::ExpertsCombine);
                 for ((e, _), ys) in group.iter().zip(&ys) {
                     for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
                         let w = routes[t].weights[slot];
@@ -175,6 +177,7 @@ impl FeedForward for MoeFfn {
                 reason: "the weight source returned without delivering it".into(),
             });
         }
+        let combine_span = span(Phase::ExpertsCombine);
         let mut out = vec![0f32; n * hd];
         for (t, o) in out.chunks_mut(hd).enumerate() {
             for slot in 0..top_k {
@@ -184,7 +187,9 @@ impl FeedForward for MoeFfn {
                 }
             }
         }
+        drop(combine_span);
         if let Some(l) = &self.latent {
+            let _latent_span = span(Phase::Latent);
             if let Some(norm) = &l.norm {
                 norm.apply_inplace(&mut out);
             }
@@ -193,7 +198,7 @@ impl FeedForward for MoeFfn {
         if let Some(shared) = &self.shared_experts {
             let s = match shared_out {
                 Some(s) => s,
-                None => shared.apply(full, n),
+                None => timed(Phase::Shared, || shared.apply(full, n)),
             };
             for (o, v) in out.iter_mut().zip(&s) {
                 *o += v;
@@ -525,15 +530,15 @@ impl RoutedExperts {
                     out: uo,
                 });
             }
-            matmul_jobs(&mut jobs);
+            timed(Phase::ExpertsGateUp, || matmul_jobs(&mut jobs));
         }
+        let act_span = span(Phase::ExpertsAct);
         let shared_h: Option<Vec<f32>> = match (shared, &shared_gu) {
-            (Some((mlp, _, _)), Some((g, u))) => Some(
-                g.iter()
-                    .zip(u)
-                    .map(|(&g, &u)| mlp.act.gated(g, u))
-                    .collect(),
-            ),
+            (Some((mlp, _, _)), Some((g, u))) => {
+                let mut h = vec![0f32; g.len()];
+                mlp.act.gated_into(g, u, &mut h);
+                Some(h)
+            }
             _ => None,
         };
         let mut shared_out: Option<Vec<f32>> =
@@ -547,21 +552,16 @@ impl RoutedExperts {
                     [y] => {
                         for (hrow, yrow) in h.chunks_mut(it).zip(y.chunks(2 * it)) {
                             let (g, u) = yrow.split_at(it);
-                            for ((o, &g), &u) in hrow.iter_mut().zip(g).zip(u) {
-                                *o = act.gated(g, u);
-                            }
+                            act.gated_into(g, u, hrow);
                         }
                     }
-                    [g, u] => {
-                        for ((o, &g), &u) in h.iter_mut().zip(g).zip(u) {
-                            *o = act.gated(g, u);
-                        }
-                    }
+                    [g, u] => act.gated_into(g, u, &mut h),
                     _ => {}
                 }
                 h
             })
             .collect();
+        drop(act_span);
         let mut ys: Vec<Vec<f32>> = inputs.iter().map(|&(_, m)| vec![0f32; m * hd]).collect();
         {
             let mut jobs: Vec<MatmulJob<'_, '_>> = downs
@@ -581,7 +581,7 @@ impl RoutedExperts {
             {
                 jobs.push(MatmulJob { m: d, x: h, n, out });
             }
-            matmul_jobs(&mut jobs);
+            timed(Phase::ExpertsDown, || matmul_jobs(&mut jobs));
         }
         Ok((ys, shared_out))
     }

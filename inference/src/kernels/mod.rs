@@ -44,6 +44,7 @@ pub mod quantize_inputs;
 pub mod scalar;
 pub mod scales;
 pub mod shape;
+pub mod vector;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]

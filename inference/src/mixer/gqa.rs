@@ -11,11 +11,12 @@
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::kernels::scalar::dot;
+use crate::kernels::vector::{axpy, dot};
 use crate::linear::Linear;
 use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::ops::RmsNorm;
 use crate::rope::Rope;
+use crate::spans::{span, timed, Phase};
 
 #[derive(Debug)]
 pub struct GqaAttention {
@@ -113,6 +114,7 @@ impl TokenMixer for GqaAttention {
         let group = hn / kvh;
         let start = cache.len;
 
+        let in_span = span(Phase::MixerIn);
         let mut q = self.q_proj.forward(x, n); // [n, H, d]
         let mut k = self.k_proj.forward(x, n); // [n, KV, d]
         let v = self.v_proj.forward(x, n); // [n, KV, d]
@@ -122,6 +124,8 @@ impl TokenMixer for GqaAttention {
         if let Some(norm) = &self.k_norm {
             norm.apply_inplace(&mut k);
         }
+        drop(in_span);
+        let core_span = span(Phase::MixerCore);
         let half = d / 2;
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
         for t in 0..n {
@@ -152,12 +156,14 @@ impl TokenMixer for GqaAttention {
                 .collect();
             crate::ops::softmax_inplace(&mut scores);
             for (j, &p) in scores.iter().enumerate() {
-                let vj = &cache.v[(j * kvh + j_head) * d..(j * kvh + j_head + 1) * d];
-                for (o, &vv) in out.iter_mut().zip(vj) {
-                    *o += p * vv;
-                }
+                axpy(
+                    out,
+                    p,
+                    &cache.v[(j * kvh + j_head) * d..(j * kvh + j_head + 1) * d],
+                );
             }
         });
-        Ok(self.o_proj.forward(&attn, n))
+        drop(core_span);
+        Ok(timed(Phase::MixerOut, || self.o_proj.forward(&attn, n)))
     }
 }

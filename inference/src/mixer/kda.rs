@@ -28,6 +28,7 @@ use crate::mixer::delta_rule::{delta_step, push_tail, Recorded};
 use crate::mixer::kda_state::KdaState;
 use crate::mixer::state::{state_as, MixerState, TokenMixer};
 use crate::ops::{sigmoid, RmsNorm};
+use crate::spans::{span, Phase};
 
 /// The output gate: low rank (Kimi Linear) or full rank (K3).
 #[derive(Debug, Clone)]
@@ -178,6 +179,7 @@ impl KdaAttention {
             KdaOutputGate::LowRank { a, .. } => lins.push(a),
             KdaOutputGate::FullRank(g) => lins.push(g),
         }
+        let in_span = span(Phase::MixerIn);
         let mut p = Linear::forward_many(&lins, x, n).into_iter();
         let mut next = || p.next().unwrap_or_default();
         let (q, k, v, fa, b, ga) = (next(), next(), next(), next(), next(), next());
@@ -186,6 +188,8 @@ impl KdaAttention {
             KdaOutputGate::LowRank { b, .. } => b.forward(&ga, n),
             KdaOutputGate::FullRank(_) => ga,
         };
+        drop(in_span);
+        let core_span = span(Phase::MixerCore);
         st.begin_forward(n);
         let mut raw = vec![0f32; n * 3 * hd];
         for t in 0..n {
@@ -272,6 +276,8 @@ impl KdaAttention {
             }
         }
         st.end_forward(n);
+        drop(core_span);
+        let _out_span = span(Phase::MixerOut);
         // Per-head norm, output gate, o_proj.
         let mut y = core.clone();
         self.o_norm.apply_inplace(&mut y);

@@ -15,6 +15,7 @@ use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
 use crate::model::residual::ResidualMixer;
 use crate::model::session::{OutputStates, Session};
 use crate::ops::RmsNorm;
+use crate::spans::{span, timed, Phase};
 use crate::weights::WeightSource;
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -323,6 +324,7 @@ impl Model {
         if n == 0 {
             return Err(InferenceError::EmptyInput);
         }
+        let _forward_span = span(Phase::Forward);
         let vocab = self.vocab_size();
         let hd = self.hidden_size();
         for (index, &t) in tokens.iter().enumerate() {
@@ -335,11 +337,13 @@ impl Model {
             }
         }
         // Embeddings [n, hidden]
+        let embed_span = span(Phase::Embed);
         let mut emb = vec![0f32; n * hd];
         let ev = self.embed_tokens.view();
         for (t, row) in tokens.iter().zip(emb.chunks_mut(hd)) {
             ev.decode_row(*t as usize, row);
         }
+        drop(embed_span);
         if let Some(tr) = trace.as_deref_mut() {
             *tr = ForwardTrace::default();
             tr.hidden_states.push(emb.clone());
@@ -365,14 +369,18 @@ impl Model {
                 }
             };
             let state = &mut *session.states[li];
+            let res_span = span(Phase::Residual);
             let input = self.residual.block_input(li, 0, &streams);
+            drop(res_span);
             if let Some(tr) = trace.as_deref_mut() {
                 tr.attn_inputs.push(input.to_vec());
             }
-            let x = layer.input_layernorm.apply(&input);
+            let x = timed(Phase::Norm, || layer.input_layernorm.apply(&input));
             drop(input);
-            let y = layer.mixer.forward(&x, n, state)?;
-            self.residual.block_output(li, 0, &mut streams, &y);
+            let y = timed(Phase::Mixer, || layer.mixer.forward(&x, n, state))?;
+            timed(Phase::Residual, || {
+                self.residual.block_output(li, 0, &mut streams, &y)
+            });
 
             let next = match self.layers.get(li + 1) {
                 _ if !self.next_layer_prefetch() => None,
@@ -388,6 +396,7 @@ impl Model {
                 None => None,
             };
             if let Some(next) = next {
+                let _predict_span = span(Phase::Predict);
                 let xn = next
                     .post_attention_layernorm
                     .apply(&self.residual.block_input(li + 1, 1, &streams));
@@ -396,11 +405,13 @@ impl Model {
                 }
             }
 
+            let res_span = span(Phase::Residual);
             let input = self.residual.block_input(li, 1, &streams);
+            drop(res_span);
             if let Some(tr) = trace.as_deref_mut() {
                 tr.mlp_inputs.push(input.to_vec());
             }
-            let x = layer.post_attention_layernorm.apply(&input);
+            let x = timed(Phase::Norm, || layer.post_attention_layernorm.apply(&input));
             drop(input);
             let mut routing = Vec::new();
             let mut ctx = FfnContext {
@@ -412,8 +423,10 @@ impl Model {
                     None
                 },
             };
-            let y = layer.ffn.forward(&x, n, &mut ctx)?;
-            self.residual.block_output(li, 1, &mut streams, &y);
+            let y = timed(Phase::Ffn, || layer.ffn.forward(&x, n, &mut ctx))?;
+            timed(Phase::Residual, || {
+                self.residual.block_output(li, 1, &mut streams, &y)
+            });
             if let Some(tr) = trace.as_deref_mut() {
                 tr.hidden_states
                     .push(self.residual.layer_state(&streams).to_vec());
@@ -441,12 +454,12 @@ impl Model {
                 })
             }
         };
-        let x = self.norm.apply(hs);
+        let x = timed(Phase::Norm, || self.norm.apply(hs));
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         Ok(Logits {
             rows,
             vocab,
-            data: head.forward(&x, rows),
+            data: timed(Phase::Head, || head.forward(&x, rows)),
         })
     }
 }
