@@ -24,6 +24,19 @@ pub const MXFP4_X2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, 
 
 /// Decode one row (`row` = its bytes, `scales` = its f32 scales) into `out[..cols]`.
 pub fn decode_row(kind: WeightFormat, row: &[u8], scales: &[f32], cols: usize, out: &mut [f32]) {
+    decode_row_body(kind, row, scales, cols, out)
+}
+
+/// [`decode_row`]'s body, also compiled for wider vectors (`kernels::vector::decode_row`:
+/// exact conversions and one multiply each, so the same bits on every instruction set).
+#[inline(always)]
+pub(crate) fn decode_row_body(
+    kind: WeightFormat,
+    row: &[u8],
+    scales: &[f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     let out = &mut out[..cols];
     match kind {
         WeightFormat::F32 => {
@@ -79,6 +92,7 @@ pub fn decode_row(kind: WeightFormat, row: &[u8], scales: &[f32], cols: usize, o
     }
 }
 
+#[inline(always)]
 fn scale_groups(out: &mut [f32], group: usize, scales: &[f32]) {
     for (chunk, &s) in out.chunks_mut(group).zip(scales) {
         chunk.iter_mut().for_each(|v| *v *= s);

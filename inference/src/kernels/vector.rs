@@ -1,4 +1,5 @@
-//! f32 vector operations (`dot`, `axpy` of the attention cores, SwiGLU's `silu_mul`), compiled once portably and
+//! f32 vector operations (`dot`, `axpy` of the attention cores, SwiGLU's `silu_mul`, the
+//! reference row decoder MLA applies to `kv_b_proj` every forward), compiled once portably and
 //! again for AVX2 and AVX-512, chosen at run time. The baseline x86-64 target vectorizes the
 //! portable loops to 4-wide SSE2 only: MLA's per-head work (absorbed queries, scores,
 //! contexts) ran at ~4 GFLOP/s and took as long as a layer's projections at decode.
@@ -7,6 +8,8 @@
 //! fixed reduction; no fused multiply-add), so
 //! the results are bit-identical on every instruction set (tested), and the `DELTAFIN_KERNELS`
 //! cap need not reach here.
+
+use crate::kernels::shape::KernelShape;
 
 /// Lane accumulators per dot product: four 16-lane chains, so that an AVX-512 build runs four
 /// independent add chains (one chain was bound by the add latency: 5% of a decode token).
@@ -47,6 +50,82 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc[0]
+}
+
+/// One row of [`dots`]: 16 lane accumulators, the tail into the first lanes, a fixed pairwise
+/// reduction.
+#[inline(always)]
+fn reduce16(mut acc: [f32; CHAIN]) -> f32 {
+    let mut w = CHAIN;
+    while w > 1 {
+        w /= 2;
+        for j in 0..w {
+            acc[j] += acc[j + w];
+        }
+    }
+    acc[0]
+}
+
+#[inline(always)]
+fn dots_body(q: &[f32], rows: &[f32], out: &mut [f32]) {
+    let w = q.len();
+    if w == 0 {
+        out.iter_mut().for_each(|o| *o = 0.0);
+        return;
+    }
+    let full = w / CHAIN * CHAIN;
+    let row_dot = |acc: &mut [f32; CHAIN], r: &[f32]| {
+        for (x, y) in q[..full]
+            .chunks_exact(CHAIN)
+            .zip(r[..full].chunks_exact(CHAIN))
+        {
+            for j in 0..CHAIN {
+                acc[j] += x[j] * y[j];
+            }
+        }
+        for (j, (x, y)) in q[full..].iter().zip(&r[full..w]).enumerate() {
+            acc[j] += x * y;
+        }
+    };
+    let mut groups = out.chunks_exact_mut(4);
+    let mut r = 0;
+    for o in &mut groups {
+        // Four rows at a time: four independent add chains, `q` loaded once for all four.
+        let row = |k: usize| &rows[(r + k) * w..(r + k + 1) * w];
+        let (r0, r1, r2, r3) = (row(0), row(1), row(2), row(3));
+        let (mut a0, mut a1, mut a2, mut a3) =
+            ([0f32; CHAIN], [0f32; CHAIN], [0f32; CHAIN], [0f32; CHAIN]);
+        for ((((x, y0), y1), y2), y3) in q[..full]
+            .chunks_exact(CHAIN)
+            .zip(r0[..full].chunks_exact(CHAIN))
+            .zip(r1[..full].chunks_exact(CHAIN))
+            .zip(r2[..full].chunks_exact(CHAIN))
+            .zip(r3[..full].chunks_exact(CHAIN))
+        {
+            for j in 0..CHAIN {
+                a0[j] += x[j] * y0[j];
+                a1[j] += x[j] * y1[j];
+                a2[j] += x[j] * y2[j];
+                a3[j] += x[j] * y3[j];
+            }
+        }
+        for (k, (a, rk)) in [(&mut a0, r0), (&mut a1, r1), (&mut a2, r2), (&mut a3, r3)]
+            .into_iter()
+            .enumerate()
+        {
+            for (j, (x, y)) in q[full..].iter().zip(&rk[full..]).enumerate() {
+                a[j] += x * y;
+            }
+            o[k] = reduce16(*a);
+        }
+        r += 4;
+    }
+    for o in groups.into_remainder() {
+        let mut acc = [0f32; CHAIN];
+        row_dot(&mut acc, &rows[r * w..(r + 1) * w]);
+        *o = reduce16(acc);
+        r += 1;
+    }
 }
 
 #[inline(always)]
@@ -90,6 +169,28 @@ fn silu_mul_body(g: &[f32], u: &[f32], out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use deltafin_formats::WeightFormat;
+
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) fn decode_row_avx512(
+        kind: WeightFormat,
+        row: &[u8],
+        scales: &[f32],
+        cols: usize,
+        out: &mut [f32],
+    ) {
+        crate::kernels::scalar::decode_row_body(kind, row, scales, cols, out)
+    }
+    #[target_feature(enable = "avx2")]
+    pub(super) fn decode_row_avx2(
+        kind: WeightFormat,
+        row: &[u8],
+        scales: &[f32],
+        cols: usize,
+        out: &mut [f32],
+    ) {
+        crate::kernels::scalar::decode_row_body(kind, row, scales, cols, out)
+    }
     #[target_feature(enable = "avx512f")]
     pub(super) fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
         super::silu_mul_body(g, u, out)
@@ -105,6 +206,14 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     pub(super) fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         super::dot_body(a, b)
+    }
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn dots_avx512(q: &[f32], rows: &[f32], out: &mut [f32]) {
+        super::dots_body(q, rows, out)
+    }
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dots_avx2(q: &[f32], rows: &[f32], out: &mut [f32]) {
+        super::dots_body(q, rows, out)
     }
     #[target_feature(enable = "avx512f")]
     pub(super) fn axpy_avx512(y: &mut [f32], a: f32, x: &[f32]) {
@@ -131,7 +240,10 @@ fn level() -> Level {
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f") {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+            {
                 return Level::Avx512;
             }
             if is_x86_feature_detected!("avx2") {
@@ -178,6 +290,42 @@ fn silu_mul_at(level: Level, g: &[f32], u: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`crate::kernels::scalar::decode_row`] on the widest vectors this CPU has (the same
+/// bits: every value is an exact conversion times one scale).
+pub fn decode_row(
+    kind: deltafin_formats::WeightFormat,
+    row: &[u8],
+    scales: &[f32],
+    cols: usize,
+    out: &mut [f32],
+) {
+    match level() {
+        Level::Portable => crate::kernels::scalar::decode_row_body(kind, row, scales, cols, out),
+        // SAFETY: the level is only chosen when the CPU has the feature.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::decode_row_avx2(kind, row, scales, cols, out) },
+        // SAFETY: as above (AVX-512 BW comes with F on every CPU this level is chosen for,
+        // checked at detection).
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => {
+            if crate::kernels::x86_avx512::decode_row_packed_supports(kind, cols)
+                && row.len() >= kind.row_len(cols)
+                && out.len() >= cols
+                && scales.len() >= cols.div_ceil(kind.group(cols))
+            {
+                // SAFETY: AVX-512 F/BW (and VL, which every AVX-512 BW CPU has) were detected
+                // for this level; the lengths are the ones the kernel documents, checked above.
+                unsafe {
+                    crate::kernels::x86_avx512::decode_row_packed(kind, row, scales, cols, out)
+                };
+                return;
+            }
+            // SAFETY: as for the other levels.
+            unsafe { x86::decode_row_avx512(kind, row, scales, cols, out) }
+        }
+    }
+}
+
 /// SwiGLU's hidden values: `out[i] = silu(g[i]) * u[i]` over the shortest length.
 pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     silu_mul_at(level(), g, u, out)
@@ -186,6 +334,28 @@ pub fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
 /// `sum_i a[i] * b[i]` over the shorter length.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_at(level(), a, b)
+}
+
+/// `out[j] = q . rows[j]` for the `out.len()` rows of `q.len()` values each laid end to end in
+/// `rows` (an attention head's scores over its cache). Each row is summed the same way
+/// whichever rows share its tile.
+///
+/// # Panics
+/// If `rows` holds fewer than `out.len()` rows.
+pub fn dots(q: &[f32], rows: &[f32], out: &mut [f32]) {
+    assert!(
+        rows.len() >= q.len() * out.len(),
+        "dots: a row for every output"
+    );
+    match level() {
+        Level::Portable => dots_body(q, rows, out),
+        // SAFETY: the level is only chosen when the CPU has the feature.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::dots_avx2(q, rows, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { x86::dots_avx512(q, rows, out) },
+    }
 }
 
 /// `y[i] += a * x[i]` over the shorter length.
@@ -204,7 +374,7 @@ mod tests {
             if is_x86_feature_detected!("avx2") {
                 v.push(Level::Avx2);
             }
-            if is_x86_feature_detected!("avx512f") {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
                 v.push(Level::Avx512);
             }
         }
@@ -275,6 +445,74 @@ mod tests {
             let mut out = vec![0f32; 1000];
             silu_mul_at(l, &g, &u, &mut out);
             assert_eq!(out, want, "{l:?}");
+        }
+    }
+
+    #[test]
+    fn dots_match_each_row_alone_on_every_level() {
+        for (w, rows) in [(256, 13), (32, 9), (17, 4), (5, 3), (0, 2), (64, 1)] {
+            let q = data(w, 7);
+            let m = data(w * rows, 8);
+            let mut want = vec![0f32; rows];
+            dots_body(&q, &m, &mut want);
+            for (j, &v) in want.iter().enumerate() {
+                let naive: f64 = q
+                    .iter()
+                    .zip(&m[j * w..])
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum();
+                assert!(
+                    (v as f64 - naive).abs() <= 1e-5 * (1.0 + naive.abs()),
+                    "w={w} row {j}"
+                );
+                // A row alone (the remainder path) sums as in a tile of four.
+                let mut one = [0f32];
+                dots_body(&q, &m[j * w..(j + 1) * w], &mut one);
+                assert_eq!(one[0].to_bits(), v.to_bits(), "w={w} row {j} alone");
+            }
+            for l in levels() {
+                let mut got = vec![0f32; rows];
+                match l {
+                    Level::Portable => dots_body(&q, &m, &mut got),
+                    // SAFETY: `levels` lists only what this CPU has.
+                    #[cfg(target_arch = "x86_64")]
+                    Level::Avx2 => unsafe { x86::dots_avx2(&q, &m, &mut got) },
+                    // SAFETY: as above.
+                    #[cfg(target_arch = "x86_64")]
+                    Level::Avx512 => unsafe { x86::dots_avx512(&q, &m, &mut got) },
+                }
+                assert_eq!(got, want, "w={w} {l:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn row_decoder_equals_the_reference() {
+        use deltafin_formats::WeightFormat;
+        for kind in [
+            WeightFormat::Int4 { group: 32 },
+            WeightFormat::Mxfp4 { group: 32 },
+            WeightFormat::Q8 { group: 32 },
+            WeightFormat::Int4 { group: 128 },
+            WeightFormat::Bf16,
+        ] {
+            for cols in [32, 256, 288] {
+                if cols % kind.group(cols) != 0 {
+                    continue;
+                }
+                let bytes: Vec<u8> = (0..kind.row_len(cols))
+                    .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 13) as u8)
+                    .collect();
+                let scales: Vec<f32> = (0..cols.div_ceil(kind.group(cols)))
+                    .map(|i| 0.01 + i as f32 * 0.37)
+                    .collect();
+                let mut want = vec![0f32; cols];
+                crate::kernels::scalar::decode_row(kind, &bytes, &scales, cols, &mut want);
+                let mut got = vec![f32::NAN; cols];
+                decode_row(kind, &bytes, &scales, cols, &mut got);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{kind:?} cols={cols}");
+            }
         }
     }
 

@@ -1407,3 +1407,94 @@ pub unsafe fn quantize_block_i16(
     }
     crate::kernels::inputs::i16_block_scales(s, extra, sum)
 }
+
+/// Whether [`decode_row_packed`] takes rows of `kind` `cols` wide: the integer formats with
+/// groups of whole 16-value runs.
+pub fn decode_row_packed_supports(kind: WeightFormat, cols: usize) -> bool {
+    match kind {
+        WeightFormat::Int4 { group }
+        | WeightFormat::Mxfp4 { group }
+        | WeightFormat::Q8 { group } => {
+            cols.is_multiple_of(BLOCK) && group.is_multiple_of(16) && group > 0
+        }
+        _ => false,
+    }
+}
+
+/// One row of an integer format to f32, as [`crate::kernels::scalar::decode_row`] gives it
+/// bit for bit (each value an exact conversion of its code times its group's scale, one
+/// multiply): 16 values per step instead of the portable loop's byte at a time.
+///
+/// # Safety
+/// AVX-512 F/BW/VL available; `decode_row_packed_supports(kind, cols)`; `row` holds the row's
+/// `kind.row_len(cols)` bytes, `scales` one f32 per group, `out` at least `cols` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub unsafe fn decode_row_packed(
+    kind: WeightFormat,
+    row: &[u8],
+    scales: &[f32],
+    cols: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(decode_row_packed_supports(kind, cols));
+    debug_assert!(row.len() >= kind.row_len(cols) && out.len() >= cols);
+    let group = kind.group(cols);
+    debug_assert!(scales.len() >= cols.div_ceil(group));
+    let o = out.as_mut_ptr();
+    let p = row.as_ptr();
+    // SAFETY: the table holds 16 f32.
+    let mxfp4 = unsafe { _mm512_loadu_ps(crate::kernels::scalar::MXFP4_LUT.as_ptr()) };
+    let nib = _mm_set1_epi8(0x0f);
+    // The scale of each run of 16 values, walked without a division per run.
+    let (mut gi, mut left) = (0usize, group);
+    let mut next_scale = || {
+        let s = _mm512_set1_ps(scales[gi]);
+        left -= 16;
+        if left == 0 {
+            gi += 1;
+            left = group;
+        }
+        s
+    };
+    let mut c = 0;
+    while c < cols {
+        let s0 = next_scale();
+        let s1 = next_scale();
+        // SAFETY: `c + 32 <= cols` (cols is a multiple of 32): the block's bytes lie inside
+        // the row (16 for the 4-bit formats, 32 for Q8) and its 32 outputs inside `out`.
+        unsafe {
+            let (a, b) = match kind {
+                WeightFormat::Q8 { .. } => {
+                    let v = _mm256_loadu_si256(p.add(c) as *const __m256i);
+                    (
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
+                    )
+                }
+                _ => {
+                    // Byte i holds value 2i (low nibble) and 2i + 1 (high).
+                    let v = _mm_loadu_si128(p.add(c / 2) as *const __m128i);
+                    let lo = _mm_and_si128(v, nib);
+                    let hi = _mm_and_si128(_mm_srli_epi16(v, 4), nib);
+                    let first = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+                    let second = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
+                    if matches!(kind, WeightFormat::Mxfp4 { .. }) {
+                        (
+                            _mm512_permutexvar_ps(first, mxfp4),
+                            _mm512_permutexvar_ps(second, mxfp4),
+                        )
+                    } else {
+                        let eight = _mm512_set1_epi32(8);
+                        (
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(first, eight)),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(second, eight)),
+                        )
+                    }
+                }
+            };
+            _mm512_storeu_ps(o.add(c), _mm512_mul_ps(a, s0));
+            _mm512_storeu_ps(o.add(c + 16), _mm512_mul_ps(b, s1));
+        }
+        c += BLOCK;
+    }
+}

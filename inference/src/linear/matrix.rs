@@ -5,7 +5,7 @@
 use deltafin_formats::{ScaleType, WeightFormat};
 use rayon::prelude::*;
 
-use crate::kernels::isa::KernelConfig;
+use crate::kernels::isa::{Isa, KernelConfig};
 use crate::kernels::shape::KernelShape;
 
 /// A weight matrix borrowing its bytes. Constructed only through checked constructors, so the
@@ -153,6 +153,12 @@ impl<'a> WeightMatrix<'a> {
     /// Decode row `r` into `out[..cols]` as f32 (the scalar reference decoder; BF16, exact, on
     /// the SIMD path where the matrix's kernels have one).
     pub fn decode_row(&self, r: usize, out: &mut [f32]) {
+        self.decode_row_with(r, out, &mut Vec::new())
+    }
+
+    /// [`WeightMatrix::decode_row`] with a caller's buffer for the row's scales (no allocation
+    /// per row: MLA decodes every `kv_b_proj` row on every forward).
+    pub fn decode_row_with(&self, r: usize, out: &mut [f32], scales: &mut Vec<f32>) {
         let rb = self.format.row_len(self.cols);
         if self.format == WeightFormat::Bf16 {
             // Exact either way; MLA decodes kv_b_proj rows on every forward.
@@ -163,15 +169,13 @@ impl<'a> WeightMatrix<'a> {
             );
             return;
         }
-        let mut scales = Vec::new();
-        self.row_scales(r, &mut scales);
-        crate::kernels::scalar::decode_row(
-            self.format,
-            &self.data[r * rb..(r + 1) * rb],
-            &scales,
-            self.cols,
-            out,
-        );
+        self.row_scales(r, scales);
+        let data = &self.data[r * rb..(r + 1) * rb];
+        if self.kernels.isa == Isa::Scalar {
+            crate::kernels::scalar::decode_row(self.format, data, scales, self.cols, out);
+        } else {
+            crate::kernels::vector::decode_row(self.format, data, scales, self.cols, out);
+        }
     }
 
     /// Row `r`'s scales as f32 (one per group / column block; `[1.0]` for unscaled formats).

@@ -20,7 +20,7 @@
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::kernels::vector::{axpy, dot};
+use crate::kernels::vector::{axpy, dot, dots};
 use crate::linear::Linear;
 use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::ops::RmsNorm;
@@ -41,14 +41,23 @@ pub enum QProj {
 }
 
 impl QProj {
-    fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+    /// The projection applied to the mixer's input.
+    fn first(&self) -> &Linear {
         match self {
-            QProj::Lora { a, norm, b } => {
-                let mut qa = a.forward(x, n);
+            QProj::Lora { a, .. } => a,
+            QProj::Direct(p) => p,
+        }
+    }
+
+    /// The query from [`QProj::first`]'s output.
+    fn finish(&self, first: Vec<f32>, n: usize) -> Vec<f32> {
+        match self {
+            QProj::Lora { norm, b, .. } => {
+                let mut qa = first;
                 norm.apply_inplace(&mut qa);
                 b.forward(&qa, n)
             }
-            QProj::Direct(p) => p.forward(x, n),
+            QProj::Direct(_) => first,
         }
     }
 }
@@ -162,8 +171,14 @@ impl TokenMixer for MlaAttention {
         let start = cache.len;
 
         let in_span = span(Phase::MixerIn);
-        let q = self.q.forward(x, n); // [n, H, nope + rope]
-        let kv = self.kv_a_proj_with_mqa.forward(x, n); // [n, kv_lora + rope]
+        // Every projection of x in one pass (one hand-out to the threads, inputs prepared
+        // once): the query's first (or only) projection, kv_a, and K3's output gate.
+        let mut lins: Vec<&Linear> = vec![self.q.first(), &self.kv_a_proj_with_mqa];
+        lins.extend(self.output_gate.as_ref());
+        let mut outs = Linear::forward_many(&lins, x, n).into_iter();
+        let mut next = || outs.next().unwrap_or_default();
+        let (q_first, kv, gate) = (next(), next(), next()); // kv: [n, kv_lora + rope]
+        let q = self.q.finish(q_first, n); // [n, H, nope + rope]
         drop(in_span);
         let core_span = span(Phase::MixerCore);
         for t in 0..n {
@@ -192,16 +207,18 @@ impl TokenMixer for MlaAttention {
             .into_par_iter()
             .map(|h| {
                 let mut row = vec![0f32; kl];
+                let mut scales = Vec::new();
                 let mut out = vec![0f32; n * vd];
                 let mut q_abs = vec![0f32; MLA_TILE * kl];
                 let mut ctx = vec![0f32; MLA_TILE * kl];
                 let mut q_pe = vec![0f32; rd];
+                let (mut scores, mut rope_scores) = (Vec::new(), Vec::new());
                 for t0 in (0..n).step_by(MLA_TILE) {
                     let tn = MLA_TILE.min(n - t0);
                     // q_abs[t, c] = sum_d q_nope[t, d] * W_uk[d, c]
                     q_abs[..tn * kl].iter_mut().for_each(|a| *a = 0.0);
                     for d in 0..nope {
-                        kv_b.decode_row(h * (nope + vd) + d, &mut row);
+                        kv_b.decode_row_with(h * (nope + vd) + d, &mut row, &mut scales);
                         for (t, qa) in q_abs.chunks_mut(kl).take(tn).enumerate() {
                             axpy(qa, q[((t0 + t) * h_n + h) * qk + d], &row);
                         }
@@ -218,13 +235,13 @@ impl TokenMixer for MlaAttention {
                         if let Some(rope) = &self.rope {
                             rope.apply(&mut q_pe, pos);
                         }
-                        let mut scores: Vec<f32> = (0..=pos)
-                            .map(|j| {
-                                let s = dot(qa, &cache.latent[j * kl..(j + 1) * kl])
-                                    + dot(&q_pe, &cache.k_rope[j * rd..(j + 1) * rd]);
-                                s * self.softmax_scale
-                            })
-                            .collect();
+                        scores.resize(pos + 1, 0.0);
+                        rope_scores.resize(pos + 1, 0.0);
+                        dots(qa, &cache.latent, &mut scores);
+                        dots(&q_pe, &cache.k_rope, &mut rope_scores);
+                        for (s, r) in scores.iter_mut().zip(&rope_scores) {
+                            *s = (*s + r) * self.softmax_scale;
+                        }
                         crate::ops::softmax_inplace(&mut scores);
                         cx.iter_mut().for_each(|c| *c = 0.0);
                         for (j, &p) in scores.iter().enumerate() {
@@ -233,7 +250,7 @@ impl TokenMixer for MlaAttention {
                     }
                     // out[t, dv] = W_uv[dv] . ctx[t]
                     for dv in 0..vd {
-                        kv_b.decode_row(h * (nope + vd) + nope + dv, &mut row);
+                        kv_b.decode_row_with(h * (nope + vd) + nope + dv, &mut row, &mut scales);
                         for (t, cx) in ctx.chunks(kl).take(tn).enumerate() {
                             out[(t0 + t) * vd + dv] = dot(&row, cx);
                         }
@@ -252,8 +269,7 @@ impl TokenMixer for MlaAttention {
         }
         drop(core_span);
         let _out_span = span(Phase::MixerOut);
-        if let Some(g) = &self.output_gate {
-            let gate = g.forward(x, n);
+        if self.output_gate.is_some() {
             for (a, g) in attn.iter_mut().zip(&gate) {
                 *a *= crate::ops::sigmoid(*g);
             }
