@@ -1,8 +1,8 @@
-//! Driving the kernels: split a matrix's rows into rayon tasks, prepare the inputs once per
+//! Driving the kernels: split a matrix's rows into tasks of one pass on the compute pool, prepare the inputs once per
 //! call, convert each task's scales once, and pick each row's kernel for the instruction set.
 
+use crate::kernels::pool::pool;
 use deltafin_formats::WeightFormat;
-use rayon::prelude::*;
 
 #[cfg(target_arch = "aarch64")]
 use crate::kernels::aarch64;
@@ -106,7 +106,7 @@ pub fn matmul(m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     matmul_with(k.isa, m, x, n, out, k.act(m.format()))
 }
 
-/// Weight bytes per rayon task: large enough that task overhead (scale conversion, scheduling)
+/// Weight bytes per task: large enough that task overhead (scale conversion, scheduling)
 /// stays small against streaming them from DRAM, small enough to balance two to a few dozen
 /// threads on a 2048-row expert matrix.
 const TASK_BYTES: usize = 256 << 10;
@@ -162,7 +162,7 @@ pub fn matmul_many_with(
     };
     // Every matrix's row blocks (`chunk` output values each) as tasks of one parallel pass.
     let run_all = |bufs: &mut [&mut [f32]], chunk: usize| {
-        let tasks: Vec<(usize, usize, &mut [f32])> = bufs
+        let mut tasks: Vec<(usize, usize, &mut [f32])> = bufs
             .iter_mut()
             .enumerate()
             .flat_map(|(i, buf)| {
@@ -171,9 +171,7 @@ pub fn matmul_many_with(
                     .map(move |(bi, o)| (i, bi, o))
             })
             .collect();
-        tasks
-            .into_par_iter()
-            .for_each(|(i, bi, o)| task(mats[i], bi, o));
+        pool().for_each_mut(&mut tasks, |_, (i, bi, o)| task(mats[*i], *bi, o));
     };
     if n == 1 {
         run_all(outs, block);

@@ -5,7 +5,7 @@
 //! [`super::dispatch::matmul`] on that job alone: the same row blocks through the same row
 //! kernels.
 
-use rayon::prelude::*;
+use crate::kernels::pool::pool;
 
 use crate::kernels::dispatch::{prepare_inputs, rows_task, task_rows, untranspose};
 use crate::kernels::inputs::Inputs;
@@ -92,7 +92,8 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
             };
             tasks.extend(buf.chunks_mut(chunk).enumerate().map(|(bi, o)| (i, bi, o)));
         }
-        tasks.into_par_iter().for_each(|(i, bi, o)| {
+        pool().for_each_mut(&mut tasks, |_, (i, bi, o)| {
+            let (i, bi) = (*i, *bi);
             let (m, n) = metas[i];
             let kind = m.format();
             let block = task_rows(kind, m.cols());

@@ -40,6 +40,7 @@ pub mod dispatch;
 pub mod inputs;
 pub mod isa;
 pub mod jobs;
+pub mod pool;
 pub mod quantize_inputs;
 pub mod scalar;
 pub mod scales;

@@ -8,9 +8,8 @@
 //! y = o_proj(softmax(scale * q.k) v)               [n, hidden]
 //! ```
 
-use rayon::prelude::*;
-
 use crate::error::Result;
+use crate::kernels::pool::pool;
 use crate::kernels::vector::{axpy, dot};
 use crate::linear::Linear;
 use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
@@ -143,7 +142,8 @@ impl TokenMixer for GqaAttention {
         let cache: &KvCache = cache;
 
         let mut attn = vec![0f32; n * hn * d];
-        attn.par_chunks_mut(d).enumerate().for_each(|(idx, out)| {
+        let mut heads: Vec<&mut [f32]> = attn.chunks_mut(d).collect();
+        pool().for_each_mut(&mut heads, |idx, out| {
             let (t, h) = (idx / hn, idx % hn);
             let j_head = h / group;
             let qh = &q[(t * hn + h) * d..(t * hn + h + 1) * d];

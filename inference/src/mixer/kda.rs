@@ -20,9 +20,8 @@
 //! nothing here and give up exactness. Splitting a prompt into any chunks, or feeding it token
 //! by token, gives bit-identical results.
 
-use rayon::prelude::*;
-
 use crate::error::Result;
+use crate::kernels::pool::pool;
 use crate::linear::owned::Linear;
 use crate::mixer::delta_rule::{delta_step, push_tail, Recorded};
 use crate::mixer::kda_state::KdaState;
@@ -124,29 +123,32 @@ impl KdaAttention {
         let (c3, k1) = (3 * hd, kk - 1);
         let mut out = vec![0f32; n * c3];
         // Channel-major work: one task per block of channels.
-        let cols: Vec<Vec<f32>> = (0..c3)
-            .into_par_iter()
-            .map(|c| {
-                let w = &self.conv[c / hd][(c % hd) * kk..(c % hd + 1) * kk];
-                let past = &tail[c * k1..(c + 1) * k1];
-                let x = |tau: isize| -> f32 {
-                    if tau < 0 {
-                        past[(k1 as isize + tau) as usize]
-                    } else {
-                        raw[tau as usize * c3 + c]
-                    }
-                };
-                (0..n)
-                    .map(|t| {
-                        let acc: f32 = (0..kk)
-                            .map(|j| w[j] * x(t as isize - k1 as isize + j as isize))
-                            .sum();
-                        silu(acc)
-                    })
-                    .collect()
-            })
-            .collect();
-        for (c, col) in cols.iter().enumerate() {
+        const CHANNELS_PER_TASK: usize = 256;
+        let blocks: Vec<Vec<Vec<f32>>> = pool().map(c3.div_ceil(CHANNELS_PER_TASK), |b| {
+            let c0 = b * CHANNELS_PER_TASK;
+            (c0..(c0 + CHANNELS_PER_TASK).min(c3))
+                .map(|c| {
+                    let w = &self.conv[c / hd][(c % hd) * kk..(c % hd + 1) * kk];
+                    let past = &tail[c * k1..(c + 1) * k1];
+                    let x = |tau: isize| -> f32 {
+                        if tau < 0 {
+                            past[(k1 as isize + tau) as usize]
+                        } else {
+                            raw[tau as usize * c3 + c]
+                        }
+                    };
+                    (0..n)
+                        .map(|t| {
+                            let acc: f32 = (0..kk)
+                                .map(|j| w[j] * x(t as isize - k1 as isize + j as isize))
+                                .sum();
+                            silu(acc)
+                        })
+                        .collect::<Vec<f32>>()
+                })
+                .collect()
+        });
+        for (c, col) in blocks.iter().flatten().enumerate() {
             for (t, &v) in col.iter().enumerate() {
                 out[t * c3 + c] = v;
             }
@@ -232,32 +234,34 @@ impl KdaAttention {
         }
         // The delta rule, every head in parallel: the first position reads the checkpoint.
         let mut core = vec![0f32; n * hd];
-        let per_head: Vec<Vec<f32>> = st
+        // Per head: its state, its checkpoint, its outputs `[n, d]`.
+        let mut heads: Vec<(&mut [f32], &[f32], Vec<f32>)> = st
             .current
-            .par_chunks_mut(d * d)
-            .zip(st.checkpoint.par_chunks(d * d))
-            .enumerate()
-            .map(|(h, (dst, src))| {
-                let (mut w, mut o) = (vec![0f32; d], vec![0f32; n * d]);
-                for t in 0..n {
-                    let at = t * hd + h * d..t * hd + (h + 1) * d;
-                    delta_step(
-                        dst,
-                        (t == 0).then_some(src),
-                        d,
-                        &qs[at.clone()],
-                        &ks[at.clone()],
-                        &vs[at.clone()],
-                        &g[at],
-                        beta[t * h_n + h],
-                        &mut w,
-                        &mut o[t * d..(t + 1) * d],
-                    );
-                }
-                o
-            })
+            .chunks_mut(d * d)
+            .zip(st.checkpoint.chunks(d * d))
+            .map(|(dst, src)| (dst, src, Vec::new()))
             .collect();
-        for (h, o) in per_head.iter().enumerate() {
+        pool().for_each_mut(&mut heads, |h, (dst, src, out)| {
+            let src: &[f32] = src;
+            let (mut w, mut o) = (vec![0f32; d], vec![0f32; n * d]);
+            for t in 0..n {
+                let at = t * hd + h * d..t * hd + (h + 1) * d;
+                delta_step(
+                    dst,
+                    (t == 0).then_some(src),
+                    d,
+                    &qs[at.clone()],
+                    &ks[at.clone()],
+                    &vs[at.clone()],
+                    &g[at],
+                    beta[t * h_n + h],
+                    &mut w,
+                    &mut o[t * d..(t + 1) * d],
+                );
+            }
+            *out = o;
+        });
+        for (h, (_, _, o)) in heads.iter().enumerate() {
             for t in 0..n {
                 core[t * hd + h * d..t * hd + (h + 1) * d].copy_from_slice(&o[t * d..(t + 1) * d]);
             }

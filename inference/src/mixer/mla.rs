@@ -17,7 +17,7 @@
 //! absorbed into the query and the output (mathematically identical to expanding K and V). It
 //! stays in its stored format; each head's rows are decoded once per call.
 
-use rayon::prelude::*;
+use crate::kernels::pool::pool;
 
 use crate::error::Result;
 use crate::kernels::vector::{axpy, dot, dots};
@@ -203,62 +203,59 @@ impl TokenMixer for MlaAttention {
         // in a fixed order (row by row); the vector operations run on AVX-512 / AVX2 where the
         // CPU has them (the baseline target vectorizes plain loops to SSE2 only).
         let kv_b = self.kv_b_proj.view();
-        let per_head: Vec<Vec<f32>> = (0..h_n)
-            .into_par_iter()
-            .map(|h| {
-                let mut row = vec![0f32; kl];
-                let mut scales = Vec::new();
-                let mut out = vec![0f32; n * vd];
-                let mut q_abs = vec![0f32; MLA_TILE * kl];
-                let mut ctx = vec![0f32; MLA_TILE * kl];
-                let mut q_pe = vec![0f32; rd];
-                let (mut scores, mut rope_scores) = (Vec::new(), Vec::new());
-                for t0 in (0..n).step_by(MLA_TILE) {
-                    let tn = MLA_TILE.min(n - t0);
-                    // q_abs[t, c] = sum_d q_nope[t, d] * W_uk[d, c]
-                    q_abs[..tn * kl].iter_mut().for_each(|a| *a = 0.0);
-                    for d in 0..nope {
-                        kv_b.decode_row_with(h * (nope + vd) + d, &mut row, &mut scales);
-                        for (t, qa) in q_abs.chunks_mut(kl).take(tn).enumerate() {
-                            axpy(qa, q[((t0 + t) * h_n + h) * qk + d], &row);
-                        }
-                    }
-                    for (t, (qa, cx)) in q_abs
-                        .chunks(kl)
-                        .zip(ctx.chunks_mut(kl))
-                        .take(tn)
-                        .enumerate()
-                    {
-                        let pos = start + t0 + t;
-                        let qh = &q[((t0 + t) * h_n + h) * qk..((t0 + t) * h_n + h + 1) * qk];
-                        q_pe.copy_from_slice(&qh[nope..]);
-                        if let Some(rope) = &self.rope {
-                            rope.apply(&mut q_pe, pos);
-                        }
-                        scores.resize(pos + 1, 0.0);
-                        rope_scores.resize(pos + 1, 0.0);
-                        dots(qa, &cache.latent, &mut scores);
-                        dots(&q_pe, &cache.k_rope, &mut rope_scores);
-                        for (s, r) in scores.iter_mut().zip(&rope_scores) {
-                            *s = (*s + r) * self.softmax_scale;
-                        }
-                        crate::ops::softmax_inplace(&mut scores);
-                        cx.iter_mut().for_each(|c| *c = 0.0);
-                        for (j, &p) in scores.iter().enumerate() {
-                            axpy(cx, p, &cache.latent[j * kl..(j + 1) * kl]);
-                        }
-                    }
-                    // out[t, dv] = W_uv[dv] . ctx[t]
-                    for dv in 0..vd {
-                        kv_b.decode_row_with(h * (nope + vd) + nope + dv, &mut row, &mut scales);
-                        for (t, cx) in ctx.chunks(kl).take(tn).enumerate() {
-                            out[(t0 + t) * vd + dv] = dot(&row, cx);
-                        }
+        let per_head: Vec<Vec<f32>> = pool().map(h_n, |h| {
+            let mut row = vec![0f32; kl];
+            let mut scales = Vec::new();
+            let mut out = vec![0f32; n * vd];
+            let mut q_abs = vec![0f32; MLA_TILE * kl];
+            let mut ctx = vec![0f32; MLA_TILE * kl];
+            let mut q_pe = vec![0f32; rd];
+            let (mut scores, mut rope_scores) = (Vec::new(), Vec::new());
+            for t0 in (0..n).step_by(MLA_TILE) {
+                let tn = MLA_TILE.min(n - t0);
+                // q_abs[t, c] = sum_d q_nope[t, d] * W_uk[d, c]
+                q_abs[..tn * kl].iter_mut().for_each(|a| *a = 0.0);
+                for d in 0..nope {
+                    kv_b.decode_row_with(h * (nope + vd) + d, &mut row, &mut scales);
+                    for (t, qa) in q_abs.chunks_mut(kl).take(tn).enumerate() {
+                        axpy(qa, q[((t0 + t) * h_n + h) * qk + d], &row);
                     }
                 }
-                out
-            })
-            .collect();
+                for (t, (qa, cx)) in q_abs
+                    .chunks(kl)
+                    .zip(ctx.chunks_mut(kl))
+                    .take(tn)
+                    .enumerate()
+                {
+                    let pos = start + t0 + t;
+                    let qh = &q[((t0 + t) * h_n + h) * qk..((t0 + t) * h_n + h + 1) * qk];
+                    q_pe.copy_from_slice(&qh[nope..]);
+                    if let Some(rope) = &self.rope {
+                        rope.apply(&mut q_pe, pos);
+                    }
+                    scores.resize(pos + 1, 0.0);
+                    rope_scores.resize(pos + 1, 0.0);
+                    dots(qa, &cache.latent, &mut scores);
+                    dots(&q_pe, &cache.k_rope, &mut rope_scores);
+                    for (s, r) in scores.iter_mut().zip(&rope_scores) {
+                        *s = (*s + r) * self.softmax_scale;
+                    }
+                    crate::ops::softmax_inplace(&mut scores);
+                    cx.iter_mut().for_each(|c| *c = 0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        axpy(cx, p, &cache.latent[j * kl..(j + 1) * kl]);
+                    }
+                }
+                // out[t, dv] = W_uv[dv] . ctx[t]
+                for dv in 0..vd {
+                    kv_b.decode_row_with(h * (nope + vd) + nope + dv, &mut row, &mut scales);
+                    for (t, cx) in ctx.chunks(kl).take(tn).enumerate() {
+                        out[(t0 + t) * vd + dv] = dot(&row, cx);
+                    }
+                }
+            }
+            out
+        });
         // [n, H, v]
         let mut attn = vec![0f32; n * h_n * vd];
         for (h, out) in per_head.iter().enumerate() {
