@@ -935,10 +935,14 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     let (ev, od) = C::quad(p[r], b);
                     for t in 0..N {
                         let [h0, h1, l0, l1] = xs[t];
-                        let s = <$dot>::dp::<C>(_mm512_setzero_si512(), ev, h0);
-                        let s = <$dot>::dp::<C>(s, od, h1);
-                        let s = <$dot>::dp::<C>(_mm512_slli_epi32(s, 8), ev, l0);
-                        let s = <$dot>::dp::<C>(s, od, l1);
+                        // The planes' sums in two independent chains (one chain of four
+                        // dependent `vpdpbusd` bound the tile by their latency), then
+                        // `256 * hi + lo`: the same integers in either order.
+                        let sh = <$dot>::dp::<C>(_mm512_setzero_si512(), ev, h0);
+                        let sl = <$dot>::dp::<C>(_mm512_setzero_si512(), ev, l0);
+                        let sh = <$dot>::dp::<C>(sh, od, h1);
+                        let sl = <$dot>::dp::<C>(sl, od, l1);
+                        let s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
                         let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
@@ -964,8 +968,9 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     let u = C::two(p[r], b);
                     for t in 0..N {
                         let [xh, xl] = xs[t];
-                        let s = <$dot>::dp::<C>(_mm512_setzero_si512(), u, xh);
-                        let s = <$dot>::dp::<C>(_mm512_slli_epi32(s, 8), u, xl);
+                        let sh = <$dot>::dp::<C>(_mm512_setzero_si512(), u, xh);
+                        let sl = <$dot>::dp::<C>(_mm512_setzero_si512(), u, xl);
+                        let s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
                         let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
