@@ -39,6 +39,14 @@ pub fn supports_f32(kind: WeightFormat) -> bool {
 const MIN_PREFETCH_AHEAD: usize = 4096;
 
 /// f32-activation kernels: `out[t] = sum_c w[c] * x[t*cols + c]`.
+///
+/// Every (row, input) sum is accumulated the same way in every tile: two 16-lane
+/// accumulators (the first and second half of each 32-column block) over a scale group, then
+/// (scaled formats) `acc += sum * scale` or (unscaled: one group) the sum itself, then one
+/// reduction. So each output is bit-identical whichever tile computes it (matrix-vector,
+/// several rows, or a matrix product), and a tile of `R` rows and `N` inputs needs `2RN`
+/// accumulators (unscaled) or `4RN` (scaled): the matrix-product tile takes four inputs of
+/// the unscaled formats at a time, each weight load and decode serving four inputs.
 macro_rules! f32_tile {
     ($name:ident, $rows_name:ident, $pair_name:ident, $scaled:expr, |$p:ident, $c:ident| $decode:expr) => {
         /// One row against `N` inputs.
@@ -64,10 +72,10 @@ macro_rules! f32_tile {
             let (bpc, ahead) = (row.len() / cols, row.len().max(MIN_PREFETCH_AHEAD));
             let mut acc = [[_mm512_setzero_ps(); 2]; N];
             let mut c = 0usize;
-            // Two steps per iteration into separate accumulators (four chains per input), so
-            // the FMA latency does not bound a single input.
-            macro_rules! step {
-                ($g:ident, $j:expr) => {{
+            for gi in 0..cols.div_ceil(group) {
+                let end = (c + group).min(cols);
+                let mut g = [[_mm512_setzero_ps(); 2]; N];
+                while c < end {
                     let $c = c;
                     // SAFETY: `c + 32 <= cols` (group and cols are multiples of 32 and the
                     // group end is at most `cols`), so the decode reads inside the row and the
@@ -75,36 +83,22 @@ macro_rules! f32_tile {
                     unsafe {
                         _mm_prefetch::<_MM_HINT_T0>($p.wrapping_add(c * bpc + ahead) as *const i8);
                         let w: [__m512; 2] = $decode;
-                        for (t, g) in $g.iter_mut().enumerate() {
+                        for (t, g) in g.iter_mut().enumerate() {
                             let xr = xp.add(t * cols + c);
-                            g[$j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), g[$j]);
-                            g[$j + 1] =
-                                _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr.add(16)), g[$j + 1]);
+                            g[0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), g[0]);
+                            g[1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr.add(16)), g[1]);
                         }
                     }
                     c += BLOCK;
-                }};
-            }
-            for gi in 0..cols.div_ceil(group) {
-                let end = (c + group).min(cols);
-                let mut g = [[_mm512_setzero_ps(); 4]; N];
-                while c + 2 * BLOCK <= end {
-                    step!(g, 0);
-                    step!(g, 2);
-                }
-                if c < end {
-                    step!(g, 0);
                 }
                 for (a, g) in acc.iter_mut().zip(&g) {
-                    let g0 = _mm512_add_ps(g[0], g[2]);
-                    let g1 = _mm512_add_ps(g[1], g[3]);
                     if $scaled {
                         let sv = _mm512_set1_ps(scales[gi] * smul);
-                        a[0] = _mm512_fmadd_ps(g0, sv, a[0]);
-                        a[1] = _mm512_fmadd_ps(g1, sv, a[1]);
+                        a[0] = _mm512_fmadd_ps(g[0], sv, a[0]);
+                        a[1] = _mm512_fmadd_ps(g[1], sv, a[1]);
                     } else {
-                        a[0] = _mm512_add_ps(g0, a[0]);
-                        a[1] = _mm512_add_ps(g1, a[1]);
+                        a[0] = _mm512_add_ps(g[0], a[0]);
+                        a[1] = _mm512_add_ps(g[1], a[1]);
                     }
                 }
             }
@@ -114,9 +108,8 @@ macro_rules! f32_tile {
         }
 
         /// Two rows against `N` inputs (matrix products): each input slice is loaded once for
-        /// both rows and each decoded weight is used `N` times. Every (row, input) sum is
-        /// accumulated exactly as the single-row tile accumulates it, so each output equals
-        /// that tile's bit for bit.
+        /// both rows and each decoded weight is used `N` times; every output equals the
+        /// single-row tile's bit for bit.
         ///
         /// # Safety
         /// As for the single-row tile, for both rows (`rows[r]` a whole row, `scales[r]` its
@@ -133,55 +126,45 @@ macro_rules! f32_tile {
         ) {
             let xp = x.as_ptr();
             let bpc = rows[0].len() / cols;
+            let ahead = (2 * rows[0].len()).max(MIN_PREFETCH_AHEAD);
             let mut acc = [[[_mm512_setzero_ps(); 2]; N]; 2];
             let mut c = 0usize;
-            macro_rules! step {
-                ($g:ident, $j:expr) => {{
+            for gi in 0..cols.div_ceil(group) {
+                let end = (c + group).min(cols);
+                let mut g = [[[_mm512_setzero_ps(); 2]; N]; 2];
+                while c < end {
                     let $c = c;
                     // SAFETY: `c + 32 <= cols` (as in the single-row tile), so each row's
                     // decode reads inside that row and the input loads read
                     // `x[t*cols + c ..][..32]` with `t < N`, inside `x`.
                     unsafe {
-                        for (r, gr) in $g.iter_mut().enumerate() {
+                        let w: [[__m512; 2]; 2] = std::array::from_fn(|r| {
                             let $p = rows[r].as_ptr();
                             _mm_prefetch::<_MM_HINT_T0>(
-                                $p.wrapping_add(
-                                    c * bpc + (2 * rows[0].len()).max(MIN_PREFETCH_AHEAD),
-                                ) as *const i8,
+                                $p.wrapping_add(c * bpc + ahead) as *const i8
                             );
-                            let w: [__m512; 2] = $decode;
-                            for (t, g) in gr.iter_mut().enumerate() {
-                                let xr = xp.add(t * cols + c);
-                                g[$j] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xr), g[$j]);
-                                g[$j + 1] =
-                                    _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xr.add(16)), g[$j + 1]);
+                            $decode
+                        });
+                        for t in 0..N {
+                            let xr = xp.add(t * cols + c);
+                            let (x0, x1) = (_mm512_loadu_ps(xr), _mm512_loadu_ps(xr.add(16)));
+                            for r in 0..2 {
+                                g[r][t][0] = _mm512_fmadd_ps(w[r][0], x0, g[r][t][0]);
+                                g[r][t][1] = _mm512_fmadd_ps(w[r][1], x1, g[r][t][1]);
                             }
                         }
                     }
                     c += BLOCK;
-                }};
-            }
-            for gi in 0..cols.div_ceil(group) {
-                let end = (c + group).min(cols);
-                let mut g = [[[_mm512_setzero_ps(); 4]; N]; 2];
-                while c + 2 * BLOCK <= end {
-                    step!(g, 0);
-                    step!(g, 2);
-                }
-                if c < end {
-                    step!(g, 0);
                 }
                 for (r, (ar, gr)) in acc.iter_mut().zip(&g).enumerate() {
                     for (a, g) in ar.iter_mut().zip(gr) {
-                        let g0 = _mm512_add_ps(g[0], g[2]);
-                        let g1 = _mm512_add_ps(g[1], g[3]);
                         if $scaled {
                             let sv = _mm512_set1_ps(scales[r][gi] * smul);
-                            a[0] = _mm512_fmadd_ps(g0, sv, a[0]);
-                            a[1] = _mm512_fmadd_ps(g1, sv, a[1]);
+                            a[0] = _mm512_fmadd_ps(g[0], sv, a[0]);
+                            a[1] = _mm512_fmadd_ps(g[1], sv, a[1]);
                         } else {
-                            a[0] = _mm512_add_ps(g0, a[0]);
-                            a[1] = _mm512_add_ps(g1, a[1]);
+                            a[0] = _mm512_add_ps(g[0], a[0]);
+                            a[1] = _mm512_add_ps(g[1], a[1]);
                         }
                     }
                 }
@@ -215,16 +198,16 @@ macro_rules! f32_tile {
             let ahead = R * rows[0].len();
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
             let mut c = 0usize;
-            // Two steps per iteration into separate accumulators, as the single-row tile
-            // does, so that each row's sum is that tile's bit for bit.
-            macro_rules! step {
-                ($g:ident, $j:expr) => {{
+            for gi in 0..cols.div_ceil(group) {
+                let end = (c + group).min(cols);
+                let mut g = [[_mm512_setzero_ps(); 2]; R];
+                while c < end {
                     // SAFETY: `c + 32 <= cols`, so the input loads read inside `x` and each
                     // row's decode reads inside that row (see the single-row tile).
                     unsafe {
                         let x0 = _mm512_loadu_ps(xp.add(c));
                         let x1 = _mm512_loadu_ps(xp.add(c + 16));
-                        for (r, g) in $g.iter_mut().enumerate() {
+                        for (r, g) in g.iter_mut().enumerate() {
                             let $p = rows[r].as_ptr();
                             // The same position `R` rows on (the next tile's rows): a hint.
                             _mm_prefetch::<_MM_HINT_T0>(
@@ -232,33 +215,20 @@ macro_rules! f32_tile {
                             );
                             let $c = c;
                             let w: [__m512; 2] = $decode;
-                            g[$j] = _mm512_fmadd_ps(w[0], x0, g[$j]);
-                            g[$j + 1] = _mm512_fmadd_ps(w[1], x1, g[$j + 1]);
+                            g[0] = _mm512_fmadd_ps(w[0], x0, g[0]);
+                            g[1] = _mm512_fmadd_ps(w[1], x1, g[1]);
                         }
                     }
                     c += BLOCK;
-                }};
-            }
-            for gi in 0..cols.div_ceil(group) {
-                let end = (c + group).min(cols);
-                let mut g = [[_mm512_setzero_ps(); 4]; R];
-                while c + 2 * BLOCK <= end {
-                    step!(g, 0);
-                    step!(g, 2);
-                }
-                if c < end {
-                    step!(g, 0);
                 }
                 for (r, (a, g)) in acc.iter_mut().zip(&g).enumerate() {
-                    let g0 = _mm512_add_ps(g[0], g[2]);
-                    let g1 = _mm512_add_ps(g[1], g[3]);
                     if $scaled {
                         let sv = _mm512_set1_ps(scales[r][gi] * smul);
-                        a[0] = _mm512_fmadd_ps(g0, sv, a[0]);
-                        a[1] = _mm512_fmadd_ps(g1, sv, a[1]);
+                        a[0] = _mm512_fmadd_ps(g[0], sv, a[0]);
+                        a[1] = _mm512_fmadd_ps(g[1], sv, a[1]);
                     } else {
-                        a[0] = _mm512_add_ps(g0, a[0]);
-                        a[1] = _mm512_add_ps(g1, a[1]);
+                        a[0] = _mm512_add_ps(g[0], a[0]);
+                        a[1] = _mm512_add_ps(g[1], a[1]);
                     }
                 }
             }
@@ -340,9 +310,15 @@ pub unsafe fn row_f32(
     debug_assert!(x.len() >= n * cols && out.len() >= n);
     let group = kind.group(cols);
     debug_assert!(scales.len() >= cols.div_ceil(group));
+    // Inputs per tile call: four for the unscaled formats (8 accumulators each), two for FP8.
+    let per_call = if matches!(kind, WeightFormat::Fp8Block { .. }) {
+        2
+    } else {
+        4
+    };
     let mut t = 0;
     while t < n {
-        let take = (n - t).min(2);
+        let take = (n - t).min(per_call);
         let xs = &x[t * cols..(t + take) * cols];
         let o = &mut out[t..t + take];
         macro_rules! go {
@@ -350,10 +326,11 @@ pub unsafe fn row_f32(
                 // SAFETY: the caller's contract is the tile's contract; `xs` holds `take`
                 // inputs and `o` `take` outputs.
                 unsafe {
-                    if take == 2 {
-                        $f::<2>(row, scales, $smul, group, xs, cols, o)
-                    } else {
-                        $f::<1>(row, scales, $smul, group, xs, cols, o)
+                    match take {
+                        4 => $f::<4>(row, scales, $smul, group, xs, cols, o),
+                        3 => $f::<3>(row, scales, $smul, group, xs, cols, o),
+                        2 => $f::<2>(row, scales, $smul, group, xs, cols, o),
+                        _ => $f::<1>(row, scales, $smul, group, xs, cols, o),
                     }
                 }
             };
@@ -389,10 +366,15 @@ pub unsafe fn rows2_f32(
     debug_assert!(x.len() >= n * cols && outs.iter().all(|o| o.len() >= n));
     let group = kind.group(cols);
     let [o0, o1] = outs;
+    let per_call = if matches!(kind, WeightFormat::Fp8Block { .. }) {
+        2
+    } else {
+        4
+    };
     let mut t = 0;
-    // Two inputs at a time, as `row_f32` takes them.
+    // As many inputs at a time as `row_f32` takes.
     while t < n {
-        let take = (n - t).min(2);
+        let take = (n - t).min(per_call);
         let xs = &x[t * cols..(t + take) * cols];
         let os = [&mut o0[t..t + take], &mut o1[t..t + take]];
         macro_rules! go {
@@ -400,10 +382,11 @@ pub unsafe fn rows2_f32(
                 // SAFETY: the caller's contract is the tile's contract; `xs` holds `take`
                 // inputs and each of `os` `take` outputs.
                 unsafe {
-                    if take == 2 {
-                        $f::<2>(rows, scales, $smul, group, xs, cols, os)
-                    } else {
-                        $f::<1>(rows, scales, $smul, group, xs, cols, os)
+                    match take {
+                        4 => $f::<4>(rows, scales, $smul, group, xs, cols, os),
+                        3 => $f::<3>(rows, scales, $smul, group, xs, cols, os),
+                        2 => $f::<2>(rows, scales, $smul, group, xs, cols, os),
+                        _ => $f::<1>(rows, scales, $smul, group, xs, cols, os),
                     }
                 }
             };
