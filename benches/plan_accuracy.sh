@@ -3,22 +3,27 @@
 # k3-width synth (Kimi K3's widths, MXFP4 experts) laid out striped over 1, 2 and 4 emulated
 # drives (blkio-throttled loop devices), at three RAM sizes. For each: plan --ram R with one
 # --drive-bw per drive at the throttle, then `generate` with the --ram-budget the plan gives
-# the runtime (R less its reserve); the plan predicts the average over the run's tokens from a
-# cold expert cache (--tokens), as the run measures it. Writes benches/results/plan_accuracy.json.
+# the runtime (R less its reserve); the plan predicts the average decode time per token over
+# the run's decoded tokens after its 8-token prompt from a cold expert cache (--tokens,
+# --warm-prompt), as the run measures it. The routing the plan assumes was recorded once, in
+# RAM, on another prompt (`generate --save-routing`, 64 tokens; `plan --routing`); with
+# --uniform the plan assumes uniform routing instead. Writes
+# benches/results/plan_accuracy${OUT_SUFFIX}.json.
 #
 #   sudo benches/plan_accuracy.sh [--bps 419430400] [--rams 7.5G,8.5G,10G] [--drives 1,2,4]
-#        [--new-tokens 32]
+#        [--new-tokens 32] [--uniform]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 ORIG_ARGS="$*"
-BPS=$((400 * 1024 * 1024)); RAMS=7.5G,8.5G,10G; COUNTS=1,2,4; NEW=32
+BPS=$((400 * 1024 * 1024)); RAMS=7.5G,8.5G,10G; COUNTS=1,2,4; NEW=32; UNIFORM=0
 while [ $# -gt 0 ]; do
     case $1 in
         --bps) BPS=$2; shift 2 ;;
         --rams) RAMS=$2; shift 2 ;;
         --drives) COUNTS=$2; shift 2 ;;
         --new-tokens) NEW=$2; shift 2 ;;
+        --uniform) UNIFORM=1; shift ;;
         *) echo "unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -31,6 +36,13 @@ if [ -z "$bin" ]; then
 fi
 model=${BENCH_WORK:-/var/tmp/deltafin-bench-model}/k3-width-mxfp4
 [ -f "$model/config.json" ] || "$bin" synth --out "$model" --arch kimi_k3 --preset k3-width --format mxfp4 --force -q
+# The routing the plan assumes: recorded in RAM on a prompt the measured runs do not use.
+routing=$(mktemp --suffix .json)
+calib=$(python3 -c "print(','.join(str(11 + 977 * i % 30000) for i in range(8)))")
+"$bin" generate --model "$model" --prompt-ids "$calib" -n 64 --ignore-eos -q \
+    --save-routing "$routing" > /dev/null
+plan_routing=(--routing "$routing")
+[ "$UNIFORM" = 1 ] && plan_routing=()
 IFS=, read -r -a counts <<< "$COUNTS"
 IFS=, read -r -a rams <<< "$RAMS"
 max=0; for n in "${counts[@]}"; do [ "$n" -gt "$max" ] && max=$n; done
@@ -43,8 +55,8 @@ for n in "${counts[@]}"; do
     "$bin" layout --model "$model" "${args[@]}" --mode stripe --name k3w --force -q >&2
     for ram in "${rams[@]}"; do
         # The run's length from a cold cache: the prompt and every generated token.
-        "$bin" plan --model "$BENCH_MNT/d0/k3w" --ram "$ram" "${bws[@]}" --tokens $((NEW + 8)) \
-            --json > "$raw.plan"
+        "$bin" plan --model "$BENCH_MNT/d0/k3w" --ram "$ram" "${bws[@]}" --tokens "$NEW" \
+            --warm-prompt 8 "${plan_routing[@]}" --json > "$raw.plan"
         budget=$(python3 -c "import json; print(json.load(open('$raw.plan'))['ram_budget_bytes'])")
         drop_caches
         in_throttled "$bin" generate --model "$BENCH_MNT/d0/k3w" --prompt-ids "$prompt" -n "$NEW" \
@@ -56,7 +68,9 @@ measured = 1.0 / g["decode_s_per_token"]
 print(json.dumps({"drives": int(sys.argv[3]), "ram": sys.argv[4], "ram_budget_bytes": p["ram_budget_bytes"],
     "predicted_tokens_per_s": p["tokens_per_s"], "measured_tokens_per_s": measured,
     "error": p["tokens_per_s"] / measured - 1.0,
-    "predicted_hit_rate": p["hit_rate"], "measured_hit_rate": g.get("expert_cache_hit_rate"),
+    "predicted_hit_rate": p["hit_rate"], "measured_hit_rate": g.get("decode_expert_cache_hit_rate"),
+    "hit_rate_assumed": p["hit_rate_assumed"],
+    "measured_decode_s_per_token": g["decode_s_per_token"],
     "predicted_read_bytes_per_token": p["read_bytes_per_token"], "measured_read_bytes_per_token": g.get("bytes_read_per_token"),
     "predicted_io_s": p["decode_io_s"], "predicted_compute_s": p["decode_compute_s"],
     "peak_rss_bytes": g.get("peak_rss_bytes")}))
@@ -65,7 +79,7 @@ PY
     # Free the loop images' blocks too (they are sparse files on this machine's one disk).
     for ((i = 0; i < n; i++)); do rm -rf "$BENCH_MNT/d$i/k3w"; fstrim "$BENCH_MNT/d$i" || true; done
 done
-python3 - "$raw" "$repo/benches/results/plan_accuracy.json" "$BPS" <<'PY'
+python3 - "$raw" "$repo/benches/results/plan_accuracy${OUT_SUFFIX:-}.json" "$BPS" <<'PY'
 import json, sys, os, datetime
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 doc = {"benchmark": "plan_accuracy", "date": datetime.datetime.utcnow().isoformat() + "Z",
@@ -76,4 +90,4 @@ json.dump(doc, open(sys.argv[2], "w"), indent=1)
 for r in rows:
     print(f"{r['drives']} drive(s) RAM {r['ram']:>5}: predicted {r['predicted_tokens_per_s']:.2f} tok/s, measured {r['measured_tokens_per_s']:.2f} ({100*r['error']:+.0f}%); hit rate {r['predicted_hit_rate']:.2f} vs {r['measured_hit_rate']}")
 PY
-rm -f "$raw" "$raw.plan" "$raw.gen"
+rm -f "$raw" "$raw.plan" "$raw.gen" "$routing"

@@ -12,7 +12,7 @@
 # prefill: a --prompt-token prompt (llama-bench pp). Both measured the way llama-bench does it:
 # model loaded once, an untimed warm-up run, then timed runs (deltafin: `bench compute`).
 # Medians of --runs, and the median of per-run ratios (engines measured back to back);
-# writes benches/results/vs_llamacpp.json.
+# writes benches/results/vs_llamacpp.json and, with deltafin-plot, vs_llamacpp.svg.
 #
 #   benches/vs_llamacpp.sh [--runs 3] [--decode 64] [--prompt 32] [--formats bf16,q8,int4]
 set -euo pipefail
@@ -174,3 +174,7 @@ for t in table:
           f"({min(t['paired_ratios']):.2f}-{max(t['paired_ratios']):.2f})")
 PY
 rm -f "$raw"
+# The plot beside the JSON: bars of the paired ratios.
+plot="$repo/target/release/deltafin-plot"
+[ -x "$plot" ] || cargo build --release -p deltafin --bin deltafin-plot --manifest-path "$repo/Cargo.toml" >&2
+"$plot" "$repo/benches/results/vs_llamacpp.json" "$repo/benches/results/vs_llamacpp.svg"

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use deltafin_inference::model::RoutingCounts;
 use deltafin_inference::quantize::{DenseFormats, ExpertFormat};
 use deltafin_inference::run::calibrate::calibrate;
 use deltafin_inference::run::plan::{formats_of, model_bytes, plan, PlanInput};
@@ -47,10 +48,17 @@ pub struct PlanArgs {
     /// Expert cache hit rate to assume (default: uniform independent routing, a floor).
     #[arg(long)]
     pub hit_rate: Option<f64>,
-    /// Predict the average over a generation of this many tokens from a cold expert cache
-    /// (prompt included) instead of the steady state.
+    /// Predict the average over this many decoded tokens from a cold expert cache (after a
+    /// --warm-prompt prompt) instead of the steady state.
     #[arg(long)]
     pub tokens: Option<usize>,
+    /// With --tokens: the prompt positions prefilled before them, which warm the cache.
+    #[arg(long, default_value_t = 0, requires = "tokens")]
+    pub warm_prompt: usize,
+    /// Expert choices recorded by `generate --save-routing FILE` on this model: the hit rate
+    /// from how often each expert is chosen instead of uniform routing.
+    #[arg(long, value_name = "FILE")]
+    pub routing: Option<PathBuf>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -119,6 +127,19 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
     if !a.json {
         eprintln!("measuring this machine's kernels (about a second)...");
     }
+    let routing = match &a.routing {
+        Some(f) => Some(
+            RoutingCounts::load(
+                f,
+                &model.model_type,
+                model.layers,
+                model.experts_per_layer,
+                model.experts_per_token,
+            )?
+            .probabilities(model.experts_per_layer),
+        ),
+        None => None,
+    };
     let rates = calibrate(&formats_of(&model));
     let input = PlanInput {
         ram_bytes: a.ram,
@@ -129,6 +150,8 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         io_efficiency: a.io_efficiency,
         hit_rate: a.hit_rate,
         tokens: a.tokens,
+        warm_prompt: a.warm_prompt,
+        routing,
     };
     let p = plan(model, &input, rates)?;
     if a.json {
@@ -233,7 +256,12 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         p.rates.threads
     );
     println!(
-        "  => {:.3} s per token ({:.2} tokens/s): the larger of reads and compute, which overlap",
+        "  critical path         {:>10.3} s  (non-expert compute, then per layer its missed \
+         experts' reads ({:.3} s in all) or their compute, whichever is longer)",
+        p.decode_critical_path_s, p.decode_expert_io_s
+    );
+    println!(
+        "  => {:.3} s per token ({:.2} tokens/s): the larger of the reads and the critical path",
         p.decode_s_per_token, p.tokens_per_s
     );
     println!("time to first token, {}-token prompt:", p.prompt);

@@ -13,6 +13,7 @@ use crate::linear::owned::Linear;
 use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
 use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
 use crate::model::residual::ResidualMixer;
+use crate::model::routing_counts::RoutingCounts;
 use crate::model::session::{OutputStates, Session};
 use crate::ops::RmsNorm;
 use crate::spans::{span, timed, Phase};
@@ -41,6 +42,8 @@ pub struct Model {
     prefetch: AtomicBool,
     /// Identity of the weights for snapshots, taken while the resident tensors were available.
     weights_digest: [u8; 32],
+    /// Expert choices counted while recording ([`Model::record_routing`]).
+    routing: std::sync::Mutex<Option<RoutingCounts>>,
 }
 
 /// A streamed layer built over its weights for one forward. The layer is declared first so it
@@ -120,7 +123,33 @@ impl Model {
             residual: parts.residual,
             prefetch,
             weights_digest,
+            routing: std::sync::Mutex::new(None),
         }
+    }
+
+    /// Start (or stop) counting which routed experts every MoE layer chooses, position by
+    /// position, from now on; [`Model::routing_counts`] returns the counts.
+    pub fn record_routing(&self, on: bool) {
+        let mut r = self.routing.lock().unwrap_or_else(|p| p.into_inner());
+        *r = on.then(|| RoutingCounts {
+            model_type: self.config.model_type().to_string(),
+            ..Default::default()
+        });
+    }
+
+    /// The counts since [`Model::record_routing`] turned recording on.
+    pub fn routing_counts(&self) -> Option<RoutingCounts> {
+        self.routing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn recording_routing(&self) -> bool {
+        self.routing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     /// Next-layer prefetch: while layer L runs, apply layer L+1's router to the hidden state
@@ -349,6 +378,7 @@ impl Model {
             tr.hidden_states.push(emb.clone());
         }
         let mut streams = self.residual.init(emb);
+        let recording = self.recording_routing();
         // A streamed next layer taken early (its weights had landed) for the prediction.
         let mut next_held: Option<HeldLayer<'_>> = None;
         for (li, slot) in self.layers.iter().enumerate() {
@@ -417,7 +447,7 @@ impl Model {
             let mut ctx = FfnContext {
                 source: &*self.source,
                 layer: layer.index,
-                routing: if trace.is_some() {
+                routing: if trace.is_some() || recording {
                     Some(&mut routing)
                 } else {
                     None
@@ -427,6 +457,16 @@ impl Model {
             timed(Phase::Residual, || {
                 self.residual.block_output(li, 1, &mut streams, &y)
             });
+            if recording && !routing.is_empty() {
+                if let Some(r) = self
+                    .routing
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_mut()
+                {
+                    r.add(layer.index, &routing);
+                }
+            }
             if let Some(tr) = trace.as_deref_mut() {
                 tr.hidden_states
                     .push(self.residual.layer_state(&streams).to_vec());

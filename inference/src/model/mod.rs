@@ -3,13 +3,15 @@
 //!
 //! Files: [`forward`] ([`Model`] and its forward pass), [`decoder`] (a layer and the parts a
 //! model is built from), [`residual`] (how sub-block outputs are joined), [`session`]
-//! (per-sequence state), [`logits`] (what a forward returns).
+//! (per-sequence state), [`logits`] (what a forward returns), [`routing_counts`] (expert choices
+//! counted for `plan`).
 
 pub mod attn_res;
 pub mod decoder;
 pub mod forward;
 pub mod logits;
 pub mod residual;
+pub mod routing_counts;
 pub mod session;
 
 pub use attn_res::{AttnRes, AttnResQuery};
@@ -17,4 +19,5 @@ pub use decoder::{DecoderLayer, LayerShape, LayerSlot, ModelParts};
 pub use forward::Model;
 pub use logits::{ForwardTrace, Logits, LogitsMode};
 pub use residual::{AddResidual, ResidualMixer};
+pub use routing_counts::RoutingCounts;
 pub use session::Session;

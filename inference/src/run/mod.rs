@@ -3,6 +3,7 @@
 
 pub mod budget;
 pub mod calibrate;
+pub mod hit_rate;
 pub mod measure;
 pub mod memory;
 pub mod open;

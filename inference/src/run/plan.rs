@@ -12,14 +12,17 @@
 //!   context, scratch, every layer's matrices held (1 byte read saved per token per byte) once
 //!   the expert buffers have a floor of two layers' experts, else the fewest whole layers
 //!   streamed (read every forward, two layers' buffers), and the expert cache with the rest.
-//! - **Hit rate**: the cache spread evenly over the MoE layers; routing assumed uniform and
-//!   independent between tokens, so a layer caching `c` of its `E` experts hits `c / E` (real
-//!   routing is skewed and repeats, so this is a floor; `hit_rate` overrides it).
+//! - **Hit rate** ([`super::hit_rate`]): the cache holds the experts most likely to be chosen
+//!   over all MoE layers; routing assumed uniform and independent between tokens (a floor:
+//!   real routing is skewed), or as recorded by `generate --save-routing`; steady state, or
+//!   `tokens` decoded after a `warm_prompt` prompt from a cold cache (`hit_rate` overrides).
 //! - **Decode**: I/O time = (missed expert bytes + streamed non-expert bytes) per token over
 //!   the drives' summed rate times their efficiency (striped reads measured 0.96 of the sum on
 //!   4 emulated drives); compute time = the bytes every token touches over this machine's
-//!   measured matrix-vector rate for their format; time per token = the larger (reads overlap
-//!   compute: measured 0.79-0.83 of it at a 40% memory cap, benches/results/vs_llamacpp_cap.json).
+//!   measured matrix-vector rate for their format; the critical path = non-expert compute plus,
+//!   per layer, its missed experts' reads or its experts' compute, whichever is longer (a
+//!   layer's misses are read once its router has run); time per token = the larger of the
+//!   reads and the critical path.
 //! - **TTFT**: one chunk of the prompt reads every expert some position routes to once per
 //!   layer (`E (1 - (1 - k/E)^P)` expected) and the non-expert weights once; compute is the
 //!   prompt's multiply-adds, by format, over the measured 32-input matrix-product rates.
@@ -34,6 +37,7 @@ use crate::config::ModelConfig;
 use crate::error::{InferenceError, Result};
 use crate::family::expert_naming;
 use crate::quantize::{DenseFormats, ExpertFormat};
+use crate::run::hit_rate::{hit_rate, RoutingAssumed};
 use crate::run::residency::{choose_residency, RamRequest, Residency};
 use crate::streamed_layer::{layer_of, LayerWeightBytes, StreamableLayers, MIN_STREAMED_RECORD};
 
@@ -60,6 +64,11 @@ pub struct PlanInput {
     /// Tokens of the generation the prediction averages over, from a cold cache (`None`: the
     /// steady state of a long one).
     pub tokens: Option<usize>,
+    /// Prompt positions prefilled before those tokens (they warm the cache).
+    pub warm_prompt: usize,
+    /// Each routed expert's probability of being chosen, per decoder layer, as recorded by
+    /// `generate --save-routing` (`None`: uniform routing).
+    pub routing: Option<BTreeMap<usize, Vec<f64>>>,
 }
 
 /// This machine's compute rates, measured ([`super::calibrate::calibrate`]).
@@ -133,6 +142,11 @@ pub struct Plan {
     pub read_bytes_per_token: u64,
     pub decode_io_s: f64,
     pub decode_compute_s: f64,
+    /// Reads of missed experts alone.
+    pub decode_expert_io_s: f64,
+    /// Non-expert compute, then each layer's expert reads or expert compute, whichever is
+    /// longer: what a token waits for when the drives are not the limit.
+    pub decode_critical_path_s: f64,
     pub decode_s_per_token: f64,
     pub tokens_per_s: f64,
     pub prompt: usize,
@@ -384,44 +398,66 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
     };
     let e = model.experts_per_layer.max(1) as f64;
     let k = model.experts_per_token as f64;
-    let (hit, assumed) = match (input.hit_rate, input.tokens) {
-        (Some(h), _) => (h.clamp(0.0, 1.0), "given".to_string()),
-        (None, None) => (
-            cached_per_layer / e,
-            "uniform, independent routing: cached experts per layer / experts per layer \
-             (steady state)"
-                .into(),
-        ),
-        (None, Some(t)) => {
-            // From a cold cache: each of the cached share's experts misses once, when a
-            // token first routes to it (`E (1 - (1 - k/E)^T)` distinct in `T` tokens).
-            let t = t.max(1) as f64;
-            let distinct = e * (1.0 - (1.0 - k / e).powf(t));
-            (
-                cached_per_layer / e * (1.0 - distinct / (t * k)).max(0.0),
+    let routing = RoutingAssumed::new(
+        model.moe_layers,
+        model.experts_per_layer,
+        model.experts_per_token,
+        input.routing.as_ref(),
+    );
+    let slots = if model.expert_bytes == 0 {
+        0.0
+    } else {
+        cache as f64 / model.expert_bytes as f64
+    };
+    let window = input.tokens.map(|t| (t, input.warm_prompt));
+    let (hit, assumed) = match input.hit_rate {
+        Some(h) => (h.clamp(0.0, 1.0), "given".to_string()),
+        None => {
+            let how = if routing.recorded_layers > 0 {
                 format!(
-                    "uniform, independent routing, {t} tokens from a cold cache: \
-                     (cached / experts) x (1 - distinct experts touched / lookups)"
-                ),
+                    "recorded routing ({} of {} MoE layers; the rest uniform)",
+                    routing.recorded_layers, model.moe_layers
+                )
+            } else {
+                "uniform, independent routing".to_string()
+            };
+            let when = match window {
+                None => "steady state".to_string(),
+                Some((t, p)) => format!("{t} tokens after a {p}-position prompt, cold cache"),
+            };
+            (
+                hit_rate(&routing, slots, window),
+                format!("{how}; the {slots:.0} most chosen experts cached; {when}"),
             )
         }
     };
     let expert_per_token =
         model.expert_bytes * model.experts_per_token as u64 * model.moe_layers as u64;
-    let read = ((1.0 - hit) * expert_per_token as f64) as u64 + streamed;
+    let expert_read = ((1.0 - hit) * expert_per_token as f64) as u64;
+    let read = expert_read + streamed;
     let bw: f64 = input.drive_bw.iter().sum::<f64>() * input.io_efficiency;
     let io_s = read as f64 / bw;
-    let mut compute_s = 0.0;
-    for (fmt, bytes) in &model.touched_per_token_by_format {
-        let rate = rates
+    let rate_of = |fmt: &str| {
+        rates
             .matvec_bytes_per_s
             .get(fmt)
             .or_else(|| rates.matvec_bytes_per_s.get("bf16"))
             .copied()
-            .unwrap_or(10e9);
-        compute_s += *bytes as f64 / rate;
-    }
-    let decode_s = io_s.max(compute_s);
+            .unwrap_or(10e9)
+    };
+    let compute_s: f64 = model
+        .touched_per_token_by_format
+        .iter()
+        .map(|(fmt, bytes)| *bytes as f64 / rate_of(fmt))
+        .sum();
+    // The critical path: a layer's missed experts are read once its router has chosen them,
+    // so their reads overlap that layer's other experts' compute, not the attention and
+    // other non-expert work (the next layer's prediction is gated off unless accurate);
+    // streamed non-expert weights are read a layer ahead and overlap everything.
+    let expert_compute = (expert_per_token as f64 / rate_of(&model.expert_format)).min(compute_s);
+    let expert_io_s = expert_read as f64 / bw;
+    let critical_s = (compute_s - expert_compute) + expert_io_s.max(expert_compute);
+    let decode_s = io_s.max(critical_s);
     // Prefill: one chunk of the prompt.
     let p = input.prompt.max(1) as f64;
     let touched_experts = e * (1.0 - (1.0 - k / e).powf(p));
@@ -463,6 +499,8 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
         read_bytes_per_token: read,
         decode_io_s: io_s,
         decode_compute_s: compute_s,
+        decode_expert_io_s: expert_io_s,
+        decode_critical_path_s: critical_s,
         decode_s_per_token: decode_s,
         tokens_per_s: 1.0 / decode_s.max(1e-12),
         prompt: input.prompt,
@@ -539,6 +577,8 @@ mod tests {
             io_efficiency: 1.0,
             hit_rate: None,
             tokens: None,
+            warm_prompt: 0,
+            routing: None,
         };
         // 8 GiB (7 for the process) holds less than the 5.5 GiB of non-expert weights plus the
         // state, scratch and expert floor: layers are

@@ -1,7 +1,10 @@
 //! `deltafin-plot`: draw benches/results/gen_scaling.json as an SVG of tokens/s against drive
-//! count, one line per mode, with the ceiling fio's bandwidth allows at the measured bytes/token.
+//! count, one line per mode, with the ceiling fio's bandwidth allows at the measured bytes/token;
+//! or benches/results/vs_llamacpp.json as bars of deltafin's speed over llama.cpp's (paired
+//! medians, each run's ratio marked) per format and measurement.
 //!
 //!   deltafin-plot benches/results/gen_scaling.json benches/results/gen_scaling.svg `[PROMPT]`
+//!   deltafin-plot benches/results/vs_llamacpp.json benches/results/vs_llamacpp.svg
 
 use anyhow::{bail, Context};
 use plotters::prelude::*;
@@ -15,6 +18,12 @@ fn main() -> anyhow::Result<()> {
     let doc: Value =
         serde_json::from_slice(&std::fs::read(&args[1]).with_context(|| args[1].clone())?)
             .with_context(|| format!("parsing {}", args[1]))?;
+    if doc["table"]
+        .as_array()
+        .is_some_and(|t| t.iter().any(|r| r["paired_ratios"].is_array()))
+    {
+        return plot_ratios(&doc, &args[2]);
+    }
     let rows = doc["rows"].as_array().context("no rows")?;
     let prompt = match args.get(3) {
         Some(p) => p.clone(),
@@ -109,5 +118,90 @@ fn main() -> anyhow::Result<()> {
         .draw()?;
     root.present()?;
     eprintln!("wrote {}", args[2]);
+    Ok(())
+}
+
+/// Bars of `ratio` (deltafin / llama.cpp) per table row, each run's paired ratio as a dot, and
+/// the line of parity.
+fn plot_ratios(doc: &Value, out: &str) -> anyhow::Result<()> {
+    let table = doc["table"].as_array().context("no table")?;
+    // (label, median ratio, per-run ratios)
+    let bars: Vec<(String, f64, Vec<f64>)> = table
+        .iter()
+        .map(|r| {
+            let file = r["llama_cpp_file"].as_str().unwrap_or("?");
+            let label = format!(
+                "{} {}{}",
+                r["format"].as_str().unwrap_or("?"),
+                r["kind"].as_str().unwrap_or("?"),
+                if file.contains("experts") {
+                    " (experts)"
+                } else {
+                    ""
+                }
+            );
+            let runs = r["paired_ratios"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_f64).collect())
+                .unwrap_or_default();
+            (label, r["ratio"].as_f64().unwrap_or(0.0), runs)
+        })
+        .collect();
+    if bars.is_empty() {
+        bail!("the table is empty");
+    }
+    let ymax = bars
+        .iter()
+        .flat_map(|b| b.2.iter().copied().chain([b.1]))
+        .fold(1.0, f64::max)
+        * 1.15;
+    let n = bars.len();
+    let root = SVGBackend::new(out, (120 + 90 * n as u32, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "deltafin / llama.cpp tokens/s, same model in RAM, 2 threads",
+            ("sans-serif", 18),
+        )
+        .margin(15)
+        .x_label_area_size(70)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0f64..n as f64, 0f64..ymax)?;
+    let labels: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - x.floor() - 0.5).abs() < 0.26 {
+                labels.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc("ratio (median of paired runs)")
+        .draw()?;
+    chart.draw_series(bars.iter().enumerate().map(|(i, b)| {
+        let color = if b.1 >= 1.0 {
+            BLUE.mix(0.6)
+        } else {
+            RED.mix(0.6)
+        };
+        Rectangle::new(
+            [(i as f64 + 0.2, 0.0), (i as f64 + 0.8, b.1)],
+            color.filled(),
+        )
+    }))?;
+    chart.draw_series(bars.iter().enumerate().flat_map(|(i, b)| {
+        b.2.iter()
+            .map(move |&r| Circle::new((i as f64 + 0.5, r), 3, BLACK.filled()))
+    }))?;
+    chart.draw_series(LineSeries::new(
+        [(0.0, 1.0), (n as f64, 1.0)],
+        BLACK.stroke_width(1),
+    ))?;
+    root.present()?;
+    eprintln!("wrote {out}");
     Ok(())
 }

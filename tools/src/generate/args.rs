@@ -87,6 +87,15 @@ pub struct GenerateArgs {
     /// End with one JSON object on stdout (statistics go to stderr).
     #[arg(long)]
     pub json: bool,
+    /// Count which routed experts every MoE layer chooses, position by position, and write
+    /// the counts to FILE (JSON) for `deltafin plan --routing FILE`.
+    #[arg(long, value_name = "FILE")]
+    pub save_routing: Option<std::path::PathBuf>,
+    /// Time the forward pass's phases (built-in span timer) over the generation and print
+    /// them at the end (and under `profile` in --json): where the time went, I/O waits
+    /// included (inside the feed-forward phases that fetch experts).
+    #[arg(long)]
+    pub profile: bool,
     #[command(flatten)]
     pub spec: SpecArgs,
 }

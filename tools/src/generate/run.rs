@@ -16,6 +16,9 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if let Some(p) = &args.spec.save_session {
         crate::util::check_output_file(p, "--save-session")?;
     }
+    if let Some(p) = &args.save_routing {
+        crate::util::check_output_file(p, "--save-routing")?;
+    }
     // Cheap argument checks before a possibly long load.
     if args.prompt.is_none() && args.prompt_ids.as_ref().is_none_or(|v| v.is_empty()) {
         bail!("give --prompt TEXT or --prompt-ids 1,2,3");
@@ -85,6 +88,11 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
 
     config.prefill_chunk = args.source.prefill_chunk;
     loaded.apply_budget(&args.source, prompt.len() + args.max_new_tokens)?;
+    if args.save_routing.is_some() {
+        loaded.model().record_routing(true);
+    }
+    deltafin_inference::spans::set_enabled(args.profile);
+    deltafin_inference::spans::reset();
 
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -129,6 +137,17 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         return Err(e).context("writing to stdout");
     }
     let run = result.context("generating")?;
+    deltafin_inference::spans::set_enabled(false);
+    let profile = args.profile.then(deltafin_inference::spans::report);
+    if let Some(p) = &args.save_routing {
+        let counts = loaded
+            .model()
+            .routing_counts()
+            .context("routing was not recorded")?;
+        counts
+            .save(p)
+            .with_context(|| format!("--save-routing {}", p.display()))?;
+    }
     let output = &run.output;
     // Flush text held back by the detokenizer (an incomplete character at the very end).
     let text = match &loaded.tokenizer {
@@ -147,6 +166,22 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     out.flush()?;
 
     let stats = summary(&run, &loaded, prompt.len());
+    if let Some(p) = &profile {
+        let forwards = p
+            .iter()
+            .find(|x| x.phase == "forward")
+            .map_or(1, |x| x.calls.max(1));
+        eprintln!("profile: {forwards} forward passes (the prompt's included), per forward:");
+        eprintln!("  {:24} {:>10} {:>10}", "phase", "self ms", "total ms");
+        for x in p {
+            eprintln!(
+                "  {:24} {:10.3} {:10.3}",
+                x.phase,
+                1e3 * x.self_s / forwards as f64,
+                1e3 * x.total_s / forwards as f64
+            );
+        }
+    }
     for w in integrity_warnings(&loaded) {
         eprintln!("{w}");
     }
@@ -158,6 +193,9 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         }
         if let Some(t) = text {
             v["text"] = t.into();
+        }
+        if let Some(p) = &profile {
+            v["profile"] = serde_json::to_value(p)?;
         }
         if let Some(p) = &args.prompt {
             v["prompt"] = p.clone().into();
