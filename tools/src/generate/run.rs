@@ -101,6 +101,9 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let mut io_err: Option<std::io::Error> = None;
     let mut detok_err: Option<anyhow::Error> = None;
     let mut spec_metrics = serde_json::Map::new();
+    // The profile of the prompt's prefill, taken when the first token comes; the rest of the
+    // run is decode.
+    let mut prefill_profile: Option<Vec<deltafin_inference::spans::PhaseTime>> = None;
     let result = crate::speculative_cmd::run(
         &args.spec,
         &loaded,
@@ -108,6 +111,10 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         &config,
         &mut spec_metrics,
         &mut |id| {
+            if args.profile && prefill_profile.is_none() {
+                prefill_profile = Some(deltafin_inference::spans::report());
+                deltafin_inference::spans::reset();
+            }
             let piece = match detok.as_mut() {
                 Some(d) => match d.push(id) {
                     Ok(s) => s,
@@ -166,12 +173,13 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     out.flush()?;
 
     let stats = summary(&run, &loaded, prompt.len());
-    if let Some(p) = &profile {
+    for (what, p) in [("prefill", &prefill_profile), ("decode", &profile)] {
+        let Some(p) = p else { continue };
         let forwards = p
             .iter()
             .find(|x| x.phase == "forward")
             .map_or(1, |x| x.calls.max(1));
-        eprintln!("profile: {forwards} forward passes (the prompt's included), per forward:");
+        eprintln!("profile, {what}: {forwards} forward pass(es), per forward:");
         eprintln!("  {:24} {:>10} {:>10}", "phase", "self ms", "total ms");
         for x in p {
             eprintln!(
@@ -195,7 +203,10 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
             v["text"] = t.into();
         }
         if let Some(p) = &profile {
-            v["profile"] = serde_json::to_value(p)?;
+            v["profile"] = serde_json::json!({
+                "prefill": prefill_profile,
+                "decode": p,
+            });
         }
         if let Some(p) = &args.prompt {
             v["prompt"] = p.clone().into();
