@@ -55,7 +55,7 @@ for n in "${counts[@]}"; do
     "$bin" layout --model "$model" "${args[@]}" --mode stripe --name k3w --force -q >&2
     for ram in "${rams[@]}"; do
         # The run's length from a cold cache: the prompt and every generated token.
-        "$bin" plan --model "$BENCH_MNT/d0/k3w" --ram "$ram" "${bws[@]}" --tokens "$NEW" \
+        "$bin" plan --model "$BENCH_MNT/d0/k3w" --ram "$ram" "${bws[@]}" --tokens "$NEW" --context $((NEW + 8)) \
             --warm-prompt 8 "${plan_routing[@]}" --json > "$raw.plan"
         budget=$(python3 -c "import json; print(json.load(open('$raw.plan'))['ram_budget_bytes'])")
         drop_caches

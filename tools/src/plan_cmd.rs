@@ -59,6 +59,9 @@ pub struct PlanArgs {
     /// from how often each expert is chosen instead of uniform routing.
     #[arg(long, value_name = "FILE")]
     pub routing: Option<PathBuf>,
+    /// The expert cache policy the runtime will use (generate --cache-policy).
+    #[arg(long, default_value = "lfu")]
+    pub cache_policy: deltafin_storage::store::CachePolicy,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -152,6 +155,7 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
         tokens: a.tokens,
         warm_prompt: a.warm_prompt,
         routing,
+        cache_policy: a.cache_policy,
     };
     let p = plan(model, &input, rates)?;
     if a.json {
