@@ -30,6 +30,7 @@ pub mod layout_repair;
 pub mod lock;
 pub mod manifest;
 pub mod naming;
+pub mod paced_backend;
 pub mod safetensors;
 pub mod store;
 pub mod stripe;

@@ -99,6 +99,7 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
         ram_budget: a.ram_budget,
         cache_policy: a.cache_policy,
         no_prefetch: a.no_prefetch,
+        pace_drives: None,
         stream_layers: a.stream_layers.clone(),
         prefill_chunk: a.prefill_chunk,
         tokenizer: a.tokenizer.clone(),

@@ -128,7 +128,7 @@ pub fn run(a: &PlanArgs) -> anyhow::Result<()> {
     let model = model_bytes(&config, dense)
         .with_context(|| format!("the config of {}", a.model.display()))?;
     if !a.json {
-        eprintln!("measuring this machine's kernels (about a second)...");
+        eprintln!("measuring this machine's kernels (about two seconds)...");
     }
     let routing = match &a.routing {
         Some(f) => Some(

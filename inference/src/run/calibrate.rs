@@ -1,4 +1,4 @@
-//! The compute rates `deltafin plan` predicts with, measured on this machine in about a second:
+//! The compute rates `deltafin plan` predicts with, measured on this machine in about two seconds:
 //! each format's matrix-vector products streaming weights from DRAM (decode) and 32-input
 //! products (prefill), on the kernels the runtime would use.
 
@@ -62,7 +62,8 @@ pub fn packed_matrix(
 
 /// Measure this machine's kernels for `formats` (names as [`ExpertFormat`] and `bf16`):
 /// matrix-vector products over a 256 MiB ring of 4096x4096 matrices (weights from DRAM, as
-/// decode reads them) and 32-input products of one matrix (prefill). About a second.
+/// decode reads them) and 32-input products of one matrix (prefill), the median of five rounds.
+/// About two seconds.
 pub fn calibrate(formats: &[String]) -> ComputeRates {
     let kernels = KernelConfig::default();
     let (rows, cols) = (4096usize, 4096usize);
@@ -73,52 +74,86 @@ pub fn calibrate(formats: &[String]) -> ComputeRates {
             ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
         })
         .collect();
-    let mut matvec = BTreeMap::new();
-    let mut matmul = BTreeMap::new();
-    for name in formats {
-        let (format, data, scale, st) = packed_matrix(name, &w, rows, cols);
-        // Enough copies that the ring does not fit any cache.
-        let copies = ((256usize << 20) / data.len().max(1)).max(2);
-        let ring: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
-        let mats: Vec<WeightMatrix<'_>> = ring
-            .iter()
-            .filter_map(|d| {
-                WeightMatrix::new(rows, cols, format, d, &scale, st)
-                    .ok()
-                    .map(|m| m.with_kernels(kernels))
-            })
-            .collect();
-        let x: Vec<f32> = (0..32 * cols)
-            .map(|i| ((i % 97) as f32 - 48.0) / 64.0)
-            .collect();
-        let mut out = vec![0f32; 32 * rows];
-        // Warm-up pass, then timed passes over the ring.
-        for m in &mats {
-            m.matmul(&x[..cols], 1, &mut out[..rows]);
-        }
-        let t = Instant::now();
-        let passes = 3;
-        for _ in 0..passes {
-            for m in &mats {
-                m.matmul(&x[..cols], 1, &mut out[..rows]);
-            }
-        }
-        let secs = t.elapsed().as_secs_f64().max(1e-9);
-        matvec.insert(
-            name.clone(),
-            (passes * mats.len() * data.len()) as f64 / secs,
-        );
-        if let Some(m) = mats.first() {
-            m.matmul(&x, 32, &mut out);
-            let t = Instant::now();
-            let reps = 4;
-            for _ in 0..reps {
-                m.matmul(&x, 32, &mut out);
-            }
-            let secs = t.elapsed().as_secs_f64().max(1e-9);
-            matmul.insert(name.clone(), (reps * 32 * rows * cols) as f64 / secs);
+    let x: Vec<f32> = (0..32 * cols)
+        .map(|i| ((i % 97) as f32 - 48.0) / 64.0)
+        .collect();
+    let mut out = vec![0f32; 32 * rows];
+    // Every format's ring, built before any timing.
+    let packed: Vec<(String, usize, Vec<Vec<u8>>, Vec<u8>, WeightFormat, ScaleType)> = formats
+        .iter()
+        .map(|name| {
+            let (format, data, scale, st) = packed_matrix(name, &w, rows, cols);
+            // Enough copies that the ring does not fit any cache.
+            let copies = ((256usize << 20) / data.len().max(1)).max(2);
+            let len = data.len();
+            let ring: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
+            (name.clone(), len, ring, scale, format, st)
+        })
+        .collect();
+    let rings: Vec<(&str, usize, Vec<WeightMatrix<'_>>)> = packed
+        .iter()
+        .map(|(name, len, ring, scale, format, st)| {
+            let mats = ring
+                .iter()
+                .filter_map(|d| {
+                    WeightMatrix::new(rows, cols, *format, d, scale, *st)
+                        .ok()
+                        .map(|m| m.with_kernels(kernels))
+                })
+                .collect();
+            (name.as_str(), *len, mats)
+        })
+        .collect();
+    // Rounds taking turns between the formats, and each format's median round: on a shared
+    // machine one pass can run at two thirds of the next one's speed, and the formats should
+    // be measured at the same moments.
+    const ROUNDS: usize = 5;
+    const PASSES: usize = 2;
+    let mut vec_rounds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut mat_rounds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for (_, _, mats) in &rings {
+        for m in mats {
+            m.matmul(&x[..cols], 1, &mut out[..rows]); // warm-up
         }
     }
+    for _ in 0..ROUNDS {
+        for (name, len, mats) in &rings {
+            let t = Instant::now();
+            for _ in 0..PASSES {
+                for m in mats {
+                    m.matmul(&x[..cols], 1, &mut out[..rows]);
+                }
+            }
+            let secs = t.elapsed().as_secs_f64().max(1e-9);
+            vec_rounds
+                .entry(name)
+                .or_default()
+                .push((PASSES * mats.len() * len) as f64 / secs);
+            if let Some(m) = mats.first() {
+                let t = Instant::now();
+                for _ in 0..PASSES {
+                    m.matmul(&x, 32, &mut out);
+                }
+                let secs = t.elapsed().as_secs_f64().max(1e-9);
+                mat_rounds
+                    .entry(name)
+                    .or_default()
+                    .push((PASSES * 32 * rows * cols) as f64 / secs);
+            }
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let matvec: BTreeMap<String, f64> = vec_rounds
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), median(v)))
+        .collect();
+    let matmul: BTreeMap<String, f64> = mat_rounds
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), median(v)))
+        .collect();
     ComputeRates {
         matvec_bytes_per_s: matvec,
         matmul_macs_per_s: matmul,

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use deltafin_storage::engine::HashCheck;
+use deltafin_storage::backend::IoBackend;
 use deltafin_storage::manifest::MANIFEST_FILE;
+use deltafin_storage::paced_backend::PacedBackend;
 use deltafin_storage::store::{CachePolicy, LoadProgress};
 
 use crate::config::ModelConfig;
@@ -71,6 +73,9 @@ pub struct OpenOptions {
     pub cache_policy: CachePolicy,
     /// Layouts: do not prefetch the next layer's predicted experts.
     pub no_prefetch: bool,
+    /// Layouts: pace each drive's reads to this rate ([`PacedBackend`]; emulated-drive
+    /// benchmarks).
+    pub pace_drive_bytes_per_s: Option<u64>,
     /// The kernels every matrix runs.
     pub kernels: KernelConfig,
     /// Layouts: which decoder layers' weights to stream instead of holding.
@@ -120,6 +125,7 @@ impl Default for OpenOptions {
             hash_check: l.hash_check,
             cache_policy: l.cache_policy,
             no_prefetch: false,
+            pace_drive_bytes_per_s: None,
             kernels: KernelConfig::default(),
             stream: StreamChoice::Auto,
             ram: None,
@@ -162,13 +168,23 @@ pub fn open_model(
             (Model::load_with(Arc::new(src), opts.kernels)?, None)
         }
         ModelPath::Layout(m) => {
+            let defaults = LayoutSourceOptions::default();
+            let backend = match opts.pace_drive_bytes_per_s {
+                Some(bps) => Arc::new(
+                    PacedBackend::new(defaults.backend.clone(), bps as f64).map_err(|e| {
+                        InferenceError::InvalidArgument(format!("--pace-drives: {e}"))
+                    })?,
+                ) as Arc<dyn IoBackend>,
+                None => defaults.backend.clone(),
+            };
             let lopts = LayoutSourceOptions {
                 threads_per_drive: opts.threads_per_drive,
+                backend,
                 // Raised to the budget's share once the model is loaded.
                 buffer_cap_bytes: 0,
                 cache_policy: opts.cache_policy,
                 hash_check: opts.hash_check,
-                ..LayoutSourceOptions::default()
+                ..defaults
             };
             let base_rss = rss_bytes().unwrap_or(0);
             let mut choose = |man: &Manifest, s: &StreamableLayers| -> Result<Vec<usize>> {

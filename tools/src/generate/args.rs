@@ -33,6 +33,11 @@ pub struct SourceArgs {
     /// Layouts: do not prefetch the next layer's predicted experts.
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Layouts, benchmarks on emulated drives: pace each drive's reads to SIZE bytes/s the way
+    /// a real drive's bandwidth limits them, idle time earning no credit (the cgroup blkio
+    /// throttle credits up to 100 ms of it to the next read).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub pace_drives: Option<u64>,
     /// Layouts: decoder layers whose non-expert weights are read from the drives for every
     /// forward instead of held: auto (what --ram-budget cannot hold), none, all, or a list
     /// like 1,3,5.
