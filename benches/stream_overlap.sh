@@ -7,15 +7,18 @@
 #   compute time = decode time per token of the same model in RAM (`bench compute`, median)
 #   ratio        = decode time per token / max(I/O time, compute time)      (target <= 1.15)
 # Also checked: the greedy ids equal the in-RAM model's, and peak RSS stays under the budget.
-# Writes benches/results/stream_overlap.json.
+# The runs pace each drive's reads in the process at the throttle (`generate --pace-drives`):
+# the blkio throttle alone credits a drive's idle time to its next read, as a real drive does
+# not (see benches/plan_accuracy.sh); --no-pace leaves only the blkio throttle.
+# Writes benches/results/stream_overlap${OUT_SUFFIX}.json.
 #
 #   sudo benches/stream_overlap.sh [--bps 419430400] [--drives 1,4] [--ram 3G] [--new-tokens 8]
-#        [--rounds 2]
+#        [--rounds 2] [--no-pace]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 ORIG_ARGS="$*"
-BPS=$((400 * 1024 * 1024)); COUNTS=1,4; RAM=3G; NEW=8; ROUNDS=2
+BPS=$((400 * 1024 * 1024)); COUNTS=1,4; RAM=3G; NEW=8; ROUNDS=2; PACE=1
 while [ $# -gt 0 ]; do
     case $1 in
         --bps) BPS=$2; shift 2 ;;
@@ -23,6 +26,7 @@ while [ $# -gt 0 ]; do
         --ram) RAM=$2; shift 2 ;;
         --new-tokens) NEW=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
+        --no-pace) PACE=0; shift ;;
         *) echo "unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -35,6 +39,8 @@ if [ -z "$bin" ]; then
 fi
 model=${BENCH_WORK:-/var/tmp/deltafin-bench-model}/k3-width-mxfp4
 [ -f "$model/config.json" ] || "$bin" synth --out "$model" --arch kimi_k3 --preset k3-width --format mxfp4 --force -q
+pace=(--pace-drives "$BPS")
+[ "$PACE" = 0 ] && pace=()
 prompt=$(python3 -c "print(','.join(str(7 + 131 * i % 30000) for i in range(8)))")
 raw=$(mktemp)
 
@@ -53,7 +59,7 @@ for n in "${counts[@]}"; do
     for ((r = 0; r < ROUNDS; r++)); do
         drop_caches
         in_throttled "$bin" generate --model "$BENCH_MNT/d0/k3w" --prompt-ids "$prompt" -n "$NEW" \
-            --ignore-eos --ram-budget "$RAM" --json -q 2>/dev/null | tail -1 > "$raw.gen"
+            --ignore-eos --ram-budget "$RAM" "${pace[@]}" --json -q 2>/dev/null | tail -1 > "$raw.gen"
         python3 - "$raw.gen" "$raw.ref" "$raw.compute" "$n" "$BPS" "$r" >> "$raw" <<'PY'
 import json, sys
 g, ref, c = (json.load(open(p)) for p in sys.argv[1:4])
@@ -79,7 +85,7 @@ PY
     done
     for ((i = 0; i < n; i++)); do rm -rf "$BENCH_MNT/d$i/k3w"; fstrim "$BENCH_MNT/d$i" || true; done
 done
-python3 - "$raw" "$raw.compute" "$repo/benches/results/stream_overlap.json" "$BPS" <<'PY'
+python3 - "$raw" "$raw.compute" "$repo/benches/results/stream_overlap${OUT_SUFFIX:-}.json" "$BPS" "$PACE" <<'PY'
 import json, sys, os, datetime, statistics
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 c = json.load(open(sys.argv[2]))
@@ -94,7 +100,8 @@ summary = {str(n): {"median_ratio": statistics.median(x["ratio"] for x in rs),
 doc = {"benchmark": "stream_overlap", "date": datetime.datetime.utcnow().isoformat() + "Z",
        "command": os.environ.get("BENCH_CMD", ""), "model": "kimi_k3 k3-width synth, MXFP4 experts",
        "machine": c.get("machine"), "compute_in_ram": c,
-       "throttle_bytes_per_s_per_drive": int(sys.argv[4]), "target_ratio": 1.15,
+       "throttle_bytes_per_s_per_drive": int(sys.argv[4]), "paced_in_process": sys.argv[5] == "1",
+       "target_ratio": 1.15,
        "summary": summary, "rows": rows}
 json.dump(doc, open(sys.argv[3], "w"), indent=1)
 for r in rows:
