@@ -60,6 +60,17 @@ pub fn packed_matrix(
     }
 }
 
+/// One format's ring of copies of the test matrix: name, bytes of one copy, the copies, the
+/// shared scales, format and scale type.
+type PackedRing = (
+    String,
+    usize,
+    Vec<Vec<u8>>,
+    Vec<u8>,
+    WeightFormat,
+    ScaleType,
+);
+
 /// Measure this machine's kernels for `formats` (names as [`ExpertFormat`] and `bf16`):
 /// matrix-vector products over a 256 MiB ring of 4096x4096 matrices (weights from DRAM, as
 /// decode reads them) and 32-input products of one matrix (prefill), the median of five rounds.
@@ -79,7 +90,7 @@ pub fn calibrate(formats: &[String]) -> ComputeRates {
         .collect();
     let mut out = vec![0f32; 32 * rows];
     // Every format's ring, built before any timing.
-    let packed: Vec<(String, usize, Vec<Vec<u8>>, Vec<u8>, WeightFormat, ScaleType)> = formats
+    let packed: Vec<PackedRing> = formats
         .iter()
         .map(|name| {
             let (format, data, scale, st) = packed_matrix(name, &w, rows, cols);

@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deltafin_storage::engine::HashCheck;
 use deltafin_storage::backend::IoBackend;
+use deltafin_storage::engine::HashCheck;
 use deltafin_storage::manifest::MANIFEST_FILE;
 use deltafin_storage::paced_backend::PacedBackend;
 use deltafin_storage::store::{CachePolicy, LoadProgress};
