@@ -10,6 +10,8 @@
 //! cap need not reach here.
 
 use crate::kernels::shape::KernelShape;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::x86_avx512;
 
 /// Lane accumulators per dot product: four 16-lane chains, so that an AVX-512 build runs four
 /// independent add chains (one chain was bound by the add latency: 5% of a decode token).
@@ -193,35 +195,35 @@ mod x86 {
     }
     #[target_feature(enable = "avx512f")]
     pub(super) fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
-        super::silu_mul_body(g, u, out)
+        crate::kernels::vector::silu_mul_body(g, u, out)
     }
     #[target_feature(enable = "avx2")]
     pub(super) fn silu_mul_avx2(g: &[f32], u: &[f32], out: &mut [f32]) {
-        super::silu_mul_body(g, u, out)
+        crate::kernels::vector::silu_mul_body(g, u, out)
     }
     #[target_feature(enable = "avx512f")]
     pub(super) fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-        super::dot_body(a, b)
+        crate::kernels::vector::dot_body(a, b)
     }
     #[target_feature(enable = "avx2")]
     pub(super) fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-        super::dot_body(a, b)
+        crate::kernels::vector::dot_body(a, b)
     }
     #[target_feature(enable = "avx512f")]
     pub(super) fn dots_avx512(q: &[f32], rows: &[f32], out: &mut [f32]) {
-        super::dots_body(q, rows, out)
+        crate::kernels::vector::dots_body(q, rows, out)
     }
     #[target_feature(enable = "avx2")]
     pub(super) fn dots_avx2(q: &[f32], rows: &[f32], out: &mut [f32]) {
-        super::dots_body(q, rows, out)
+        crate::kernels::vector::dots_body(q, rows, out)
     }
     #[target_feature(enable = "avx512f")]
     pub(super) fn axpy_avx512(y: &mut [f32], a: f32, x: &[f32]) {
-        super::axpy_body(y, a, x)
+        crate::kernels::vector::axpy_body(y, a, x)
     }
     #[target_feature(enable = "avx2")]
     pub(super) fn axpy_avx2(y: &mut [f32], a: f32, x: &[f32]) {
-        super::axpy_body(y, a, x)
+        crate::kernels::vector::axpy_body(y, a, x)
     }
 }
 
@@ -308,16 +310,14 @@ pub fn decode_row(
         // checked at detection).
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => {
-            if crate::kernels::x86_avx512::decode_row_packed_supports(kind, cols)
+            if x86_avx512::decode_row_packed_supports(kind, cols)
                 && row.len() >= kind.row_len(cols)
                 && out.len() >= cols
                 && scales.len() >= cols.div_ceil(kind.group(cols))
             {
                 // SAFETY: AVX-512 F/BW (and VL, which every AVX-512 BW CPU has) were detected
                 // for this level; the lengths are the ones the kernel documents, checked above.
-                unsafe {
-                    crate::kernels::x86_avx512::decode_row_packed(kind, row, scales, cols, out)
-                };
+                unsafe { x86_avx512::decode_row_packed(kind, row, scales, cols, out) };
                 return;
             }
             // SAFETY: as for the other levels.

@@ -6,6 +6,7 @@ pub mod calibrate;
 pub mod hit_rate;
 pub mod measure;
 pub mod memory;
+pub mod model_bytes;
 pub mod open;
 pub mod plan;
 pub mod residency;

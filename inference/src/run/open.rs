@@ -199,7 +199,7 @@ pub fn open_model(
                     return Ok(forced.unwrap_or_default());
                 };
                 let cfg = ModelConfig::from_json(&man.config)?;
-                let state = crate::run::plan::state_bytes(&cfg);
+                let state = crate::run::model_bytes::state_bytes(&cfg);
                 let mut r =
                     choose_residency(s, &cfg, state, man.largest_expert_record(), base_rss, req);
                 // An explicit choice overrides the plan's (which then reports it), even when
