@@ -285,12 +285,12 @@ pub fn plan(model: ModelBytes, input: &PlanInput, rates: ComputeRates) -> Result
 mod tests {
     use super::*;
     use crate::quantize::ExpertFormat;
-    use serde_json::Value;
     use crate::synth::presets::{preset_config, SYNTH_ARCHS};
     use crate::synth::{write_synth, SynthFormat};
     use crate::weights::WeightSource;
     use deltafin_storage::checkpoint_writer::WriteOptions;
     use deltafin_storage::layout::NoProgress;
+    use serde_json::Value;
 
     /// The plan's byte counts are the checkpoint's, and its state sizes the loaded model's.
     #[test]
