@@ -60,16 +60,14 @@ pub fn packed_matrix(
     }
 }
 
-/// One format's ring of copies of the test matrix: name, bytes of one copy, the copies, the
-/// shared scales, format and scale type.
-type PackedRing = (
-    String,
-    usize,
-    Vec<Vec<u8>>,
-    Vec<u8>,
-    WeightFormat,
-    ScaleType,
-);
+/// One format's copies of the test matrix, enough that they do not fit any cache.
+struct Ring {
+    name: String,
+    format: WeightFormat,
+    scale: Vec<u8>,
+    scale_type: ScaleType,
+    copies: Vec<Vec<u8>>,
+}
 
 /// Measure this machine's kernels for `formats` (names as [`ExpertFormat`] and `bf16`):
 /// matrix-vector products over a 256 MiB ring of 4096x4096 matrices (weights from DRAM, as
@@ -90,29 +88,34 @@ pub fn calibrate(formats: &[String]) -> ComputeRates {
         .collect();
     let mut out = vec![0f32; 32 * rows];
     // Every format's ring, built before any timing.
-    let packed: Vec<PackedRing> = formats
+    let rings: Vec<Ring> = formats
         .iter()
         .map(|name| {
-            let (format, data, scale, st) = packed_matrix(name, &w, rows, cols);
-            // Enough copies that the ring does not fit any cache.
+            let (format, data, scale, scale_type) = packed_matrix(name, &w, rows, cols);
             let copies = ((256usize << 20) / data.len().max(1)).max(2);
-            let len = data.len();
-            let ring: Vec<Vec<u8>> = (0..copies).map(|_| data.clone()).collect();
-            (name.clone(), len, ring, scale, format, st)
+            Ring {
+                name: name.clone(),
+                format,
+                scale,
+                scale_type,
+                copies: vec![data; copies],
+            }
         })
         .collect();
-    let rings: Vec<(&str, usize, Vec<WeightMatrix<'_>>)> = packed
+    let matrices: Vec<(&str, usize, Vec<WeightMatrix<'_>>)> = rings
         .iter()
-        .map(|(name, len, ring, scale, format, st)| {
-            let mats = ring
+        .map(|r| {
+            let mats = r
+                .copies
                 .iter()
                 .filter_map(|d| {
-                    WeightMatrix::new(rows, cols, *format, d, scale, *st)
+                    WeightMatrix::new(rows, cols, r.format, d, &r.scale, r.scale_type)
                         .ok()
                         .map(|m| m.with_kernels(kernels))
                 })
                 .collect();
-            (name.as_str(), *len, mats)
+            let len = r.copies.first().map_or(0, Vec::len);
+            (r.name.as_str(), len, mats)
         })
         .collect();
     // Rounds taking turns between the formats, and each format's median round: on a shared
@@ -122,13 +125,13 @@ pub fn calibrate(formats: &[String]) -> ComputeRates {
     const PASSES: usize = 2;
     let mut vec_rounds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     let mut mat_rounds: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-    for (_, _, mats) in &rings {
+    for (_, _, mats) in &matrices {
         for m in mats {
             m.matmul(&x[..cols], 1, &mut out[..rows]); // warm-up
         }
     }
     for _ in 0..ROUNDS {
-        for (name, len, mats) in &rings {
+        for (name, len, mats) in &matrices {
             let t = Instant::now();
             for _ in 0..PASSES {
                 for m in mats {
