@@ -8,12 +8,14 @@
 //! the router chose and computes each one as soon as the source hands it over.
 //!
 //! Files: [`feed_forward`] (the trait), [`dense`] ([`DenseMlp`]), [`router`] (routers and
-//! [`Routing`]), [`moe`] ([`MoeFfn`] and [`RoutedExperts`], one routed expert computed from its
-//! record, matrices resolved once per layer).
+//! [`Routing`]), [`moe`] ([`MoeFfn`]: routing, delivery, the weighted sum), [`routed_experts`]
+//! ([`RoutedExperts`], a layer's routed experts computed from their records, matrices resolved
+//! once per layer).
 
 pub mod dense;
 pub mod feed_forward;
 pub mod moe;
+pub mod routed_experts;
 pub mod router;
 
 pub use dense::DenseMlp;

@@ -218,19 +218,48 @@ pub(crate) fn prepare_inputs<'x>(
     x: &'x [f32],
     slot: &'x mut Vec<f32>,
 ) -> Inputs<'x> {
+    match prepare_owned(isa, kind, cols, act, x) {
+        Prepared::AsGiven => Inputs::F32(x),
+        Prepared::Reordered(v) => {
+            *slot = v;
+            Inputs::F32(slot)
+        }
+        Prepared::Quantized(q) => q,
+    }
+}
+
+/// [`prepare_inputs`]'s work with nothing borrowed, so that many inputs can be prepared on
+/// the pool's threads.
+pub(crate) enum Prepared {
+    /// The kernels read `x` itself.
+    AsGiven,
+    /// `x` reordered (AVX-512 BF16).
+    Reordered(Vec<f32>),
+    /// `x` quantized (the integer formats' 8- and 16-bit paths).
+    Quantized(Inputs<'static>),
+}
+
+/// See [`prepare_inputs`].
+pub(crate) fn prepare_owned(
+    isa: Isa,
+    kind: WeightFormat,
+    cols: usize,
+    act: Act,
+    x: &[f32],
+) -> Prepared {
     let integer_ok = kind.integer() && kind.simd_shape(cols);
     match act {
-        Act::I8 if integer_ok => return quantize_inputs(kind, x, cols),
-        Act::I16 if integer_ok => return Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)),
+        Act::I8 if integer_ok => return Prepared::Quantized(quantize_inputs(kind, x, cols)),
+        Act::I16 if integer_ok => {
+            return Prepared::Quantized(Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)))
+        }
         _ => {}
     }
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx512() && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {
-        *slot = x86_avx512::bf16_input_order(x);
-        return Inputs::F32(slot);
+        return Prepared::Reordered(x86_avx512::bf16_input_order(x));
     }
-    let _ = slot; // only the x86_64 BF16 path reorders
-    Inputs::F32(x)
+    Prepared::AsGiven
 }
 
 /// Rows per task for rows of `kind` `cols` wide.

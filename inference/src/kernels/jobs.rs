@@ -7,7 +7,7 @@
 
 use crate::kernels::pool::pool;
 
-use crate::kernels::dispatch::{prepare_inputs, rows_task, task_rows, untranspose};
+use crate::kernels::dispatch::{prepare_owned, rows_task, task_rows, untranspose, Prepared};
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::Isa;
 use crate::linear::matrix::WeightMatrix;
@@ -58,13 +58,46 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
             owners.len() - 1
         }));
     }
-    let mut slots: Vec<Vec<f32>> = vec![Vec::new(); owners.len()];
-    let unique: Vec<Inputs<'_>> = owners
+    // A prefill's ~100 experts per layer each have their own (gathered) inputs: prepared on
+    // the pool's threads, where one at a time on the caller's they were several percent of
+    // the pass.
+    let owner_x: Vec<(&WeightMatrix<'_>, &[f32])> =
+        owners.iter().map(|&i| (jobs[i].m, jobs[i].x)).collect();
+    let prepare = |k: usize| {
+        let (m, x) = owner_x[k];
+        let (isa, act) = plan[owners[k]];
+        prepare_owned(isa, m.format(), m.cols(), act, x)
+    };
+    let values: usize = owner_x.iter().map(|(_, x)| x.len()).sum();
+    let prepared: Vec<Prepared> = if owners.len() > 1 && values >= PARALLEL_VALUES {
+        pool().map(owners.len(), prepare)
+    } else {
+        (0..owners.len()).map(prepare).collect()
+    };
+    let mut reordered: Vec<Vec<f32>> = Vec::new();
+    let mut quantized: Vec<Option<Inputs<'static>>> = Vec::new();
+    // Per owner: where its prepared form went (0: as given, 1: reordered, 2: quantized).
+    let mut place: Vec<(u8, usize)> = Vec::with_capacity(prepared.len());
+    for p in prepared {
+        match p {
+            Prepared::AsGiven => place.push((0, 0)),
+            Prepared::Reordered(v) => {
+                place.push((1, reordered.len()));
+                reordered.push(v);
+            }
+            Prepared::Quantized(q) => {
+                place.push((2, quantized.len()));
+                quantized.push(Some(q));
+            }
+        }
+    }
+    let unique: Vec<Inputs<'_>> = place
         .iter()
-        .zip(slots.iter_mut())
-        .map(|(&i, slot)| {
-            let (m, x): (&WeightMatrix<'_>, &[f32]) = (jobs[i].m, jobs[i].x);
-            prepare_inputs(plan[i].0, m.format(), m.cols(), plan[i].1, x, slot)
+        .zip(&owner_x)
+        .map(|(&(how, j), &(_, x))| match how {
+            1 => Inputs::F32(&reordered[j]),
+            2 => quantized[j].take().unwrap_or(Inputs::F32(x)),
+            _ => Inputs::F32(x),
         })
         .collect();
     // What the tasks read of each job, apart from its output.
@@ -100,9 +133,23 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
             rows_task(plan[i].0, m, kind, &unique[input_of[i]], n, block, bi, o);
         });
     }
-    for (j, tmp) in jobs.iter_mut().zip(&tmps) {
-        if j.n > 1 {
-            untranspose(tmp, j.n, j.m.rows(), j.out);
-        }
+    let mut back: Vec<(&Vec<f32>, &mut MatmulJob<'_, '_>)> = tmps
+        .iter()
+        .zip(jobs.iter_mut())
+        .filter(|(_, j)| j.n > 1)
+        .collect();
+    let values: usize = back.iter().map(|(t, _)| t.len()).sum();
+    let untranspose_job = |(tmp, j): &mut (&Vec<f32>, &mut MatmulJob<'_, '_>)| {
+        untranspose(tmp, j.n, j.m.rows(), j.out)
+    };
+    if back.len() > 1 && values >= PARALLEL_VALUES {
+        pool().for_each_mut(&mut back, |_, b| untranspose_job(b));
+    } else {
+        back.iter_mut().for_each(untranspose_job);
     }
 }
+
+/// Input or output values of a pass's jobs above which preparing the inputs and reordering
+/// the outputs run on the pool's threads (a pass costs a few microseconds: a decode token's
+/// jobs stay on the caller's).
+const PARALLEL_VALUES: usize = 1 << 15;
