@@ -43,28 +43,45 @@ fn dot_body(a: &[f32], b: &[f32]) -> f32 {
     for (j, (x, y)) in ta.iter().zip(tb).enumerate() {
         acc[j] += x * y;
     }
-    // Pairwise, in a fixed order.
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for j in 0..w {
-            acc[j] += acc[j + w];
-        }
+    reduce64(&mut acc)
+}
+
+/// `acc[j] += acc[j + w]` for `w` = 32, 16, .., 1, then `acc[0]`: the lane accumulators of a
+/// dot product summed pairwise in a fixed order. Each level written out with a constant
+/// width so that it vectorizes (a `while` over `w` compiled to 63 scalar additions, most of
+/// a 256-value dot product).
+#[inline(always)]
+pub(crate) fn reduce64(acc: &mut [f32; LANES]) -> f32 {
+    for j in 0..32 {
+        acc[j] += acc[j + 32];
     }
+    for j in 0..16 {
+        acc[j] += acc[j + 16];
+    }
+    reduce_last16(acc);
     acc[0]
+}
+
+/// The levels `w` = 8, 4, 2, 1 of the pairwise sum of `acc[..16]`.
+#[inline(always)]
+fn reduce_last16(acc: &mut [f32]) {
+    for j in 0..8 {
+        acc[j] += acc[j + 8];
+    }
+    for j in 0..4 {
+        acc[j] += acc[j + 4];
+    }
+    for j in 0..2 {
+        acc[j] += acc[j + 2];
+    }
+    acc[0] += acc[1];
 }
 
 /// One row of [`dots`]: 16 lane accumulators, the tail into the first lanes, a fixed pairwise
 /// reduction.
 #[inline(always)]
 fn reduce16(mut acc: [f32; CHAIN]) -> f32 {
-    let mut w = CHAIN;
-    while w > 1 {
-        w /= 2;
-        for j in 0..w {
-            acc[j] += acc[j + w];
-        }
-    }
+    reduce_last16(&mut acc);
     acc[0]
 }
 
@@ -229,7 +246,7 @@ mod x86 {
 
 /// Which version runs here (detected once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Level {
+pub(crate) enum Level {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -237,7 +254,7 @@ enum Level {
     Avx512,
 }
 
-fn level() -> Level {
+pub(crate) fn level() -> Level {
     static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]

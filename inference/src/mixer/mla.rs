@@ -21,7 +21,8 @@ use crate::kernels::pool::pool;
 
 use crate::error::Result;
 use crate::kernels::vector::{axpy, dot, dots};
-use crate::linear::Linear;
+use crate::kernels::vector_tiles::{axpy_rows, dot_many};
+use crate::linear::{Linear, WeightMatrix};
 use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::ops::RmsNorm;
 use crate::rope::Rope;
@@ -30,6 +31,10 @@ use crate::spans::{span, Phase};
 /// Positions whose absorbed queries and contexts one head keeps while it walks its kv_b_proj
 /// rows (16 KiB each at kv_lora 256: L1).
 const MLA_TILE: usize = 16;
+
+/// Positions from which a call runs each head as matrix products
+/// ([`MlaAttention::head_by_products`]) instead of walking kv_b_proj row by row.
+const MLA_PRODUCT_POSITIONS: usize = 8;
 
 /// Query projection: low-rank with a norm in between, or direct.
 #[derive(Debug, Clone)]
@@ -145,6 +150,99 @@ impl MixerState for MlaCache {
     }
 }
 
+/// Per-position buffers of [`MlaAttention::attend`].
+#[derive(Default)]
+struct AttendScratch {
+    q_pe: Vec<f32>,
+    scores: Vec<f32>,
+    rope_scores: Vec<f32>,
+}
+
+impl MlaAttention {
+    /// One head at one position, in the latent space: `cx = sum_j softmax_j(score) c[j]` over
+    /// the cached positions `0..=pos`, with `qa` the absorbed query (`W_uk^T q_nope`) and
+    /// `q_rope` the unrotated rope part of the query.
+    fn attend(
+        &self,
+        qa: &[f32],
+        q_rope: &[f32],
+        pos: usize,
+        cache: &MlaCache,
+        s: &mut AttendScratch,
+        cx: &mut [f32],
+    ) {
+        let kl = self.kv_lora_rank;
+        s.q_pe.clear();
+        s.q_pe.extend_from_slice(q_rope);
+        if let Some(rope) = &self.rope {
+            rope.apply(&mut s.q_pe, pos);
+        }
+        s.scores.resize(pos + 1, 0.0);
+        s.rope_scores.resize(pos + 1, 0.0);
+        dots(qa, &cache.latent, &mut s.scores);
+        dots(&s.q_pe, &cache.k_rope, &mut s.rope_scores);
+        for (sc, r) in s.scores.iter_mut().zip(&s.rope_scores) {
+            *sc = (*sc + r) * self.softmax_scale;
+        }
+        crate::ops::softmax_inplace(&mut s.scores);
+        cx.iter_mut().for_each(|c| *c = 0.0);
+        for (j, &p) in s.scores.iter().enumerate() {
+            axpy(cx, p, &cache.latent[j * kl..(j + 1) * kl]);
+        }
+    }
+
+    /// Head `h` over `n` positions (a prefill chunk): its kv_b_proj rows decoded once, then
+    /// the absorbed queries `q_nope [n, nope] x W_uk [nope, kl]` and the output `W_uv ctx`
+    /// as register tiles ([`crate::kernels::vector_tiles`]). Bit for bit what walking the rows
+    /// one position tile at a time gives (the same operations in the same order), so a chunk
+    /// still equals position-by-position decoding.
+    fn head_by_products(
+        &self,
+        h: usize,
+        q: &[f32],
+        n: usize,
+        start: usize,
+        cache: &MlaCache,
+        kv_b: &WeightMatrix<'_>,
+    ) -> Vec<f32> {
+        let (h_n, nope, rd, vd, kl) = (
+            self.num_heads,
+            self.qk_nope_head_dim,
+            self.qk_rope_head_dim,
+            self.v_head_dim,
+            self.kv_lora_rank,
+        );
+        let qk = nope + rd;
+        // [nope + vd, kl]: W_uk's rows, then W_uv's.
+        let mut w = vec![0f32; (nope + vd) * kl];
+        let mut scales = Vec::new();
+        for (r, row) in w.chunks_mut(kl).enumerate() {
+            kv_b.decode_row_with(h * (nope + vd) + r, row, &mut scales);
+        }
+        let mut q_abs = vec![0f32; n * kl];
+        axpy_rows(
+            &q[h * qk..],
+            h_n * qk,
+            &w[..nope * kl],
+            nope,
+            kl,
+            &mut q_abs,
+        );
+        let mut ctx = vec![0f32; n * kl];
+        let mut scratch = AttendScratch::default();
+        for (t, (qa, cx)) in q_abs.chunks(kl).zip(ctx.chunks_mut(kl)).enumerate() {
+            let qh = &q[(t * h_n + h) * qk..(t * h_n + h + 1) * qk];
+            self.attend(qa, &qh[nope..], start + t, cache, &mut scratch, cx);
+        }
+        let mut out = vec![0f32; n * vd];
+        for dv in 0..vd {
+            let row = &w[(nope + dv) * kl..(nope + dv + 1) * kl];
+            dot_many(row, &ctx, n, &mut out[dv..], vd);
+        }
+        out
+    }
+}
+
 impl TokenMixer for MlaAttention {
     fn new_state(&self) -> Box<dyn MixerState> {
         Box::new(MlaCache::default())
@@ -195,22 +293,25 @@ impl TokenMixer for MlaAttention {
         cache.len = start + n;
         let cache: &MlaCache = cache;
 
-        // One task per head. Its kv_b_proj rows are decoded one at a time into an L1-sized
-        // buffer and applied to a tile of positions before the next row: reading the rows once
-        // per tile instead of decoding the whole head (nope + v rows) into a fresh buffer per
-        // forward, which cost more than the arithmetic at decode (1.07 of 16 ms per token on
-        // the 3.1B synth, `bench compute --profile`). Each value is summed in the same order
-        // in a fixed order (row by row); the vector operations run on AVX-512 / AVX2 where the
+        // One task per head. A chunk of MLA_PRODUCT_POSITIONS or more runs the head as two
+        // matrix products (`head_by_products`). Fewer positions (decode) walk its kv_b_proj
+        // rows, each decoded into an L1-sized buffer and applied to a tile of positions before
+        // the next: reading the rows once per tile instead of decoding the whole head into a
+        // fresh buffer per forward, which cost more than the arithmetic at decode (1.07 of
+        // 16 ms per token on the 3.1B synth, `bench compute --profile`). Either way each value
+        // is summed in a fixed order; the vector operations run on AVX-512 / AVX2 where the
         // CPU has them (the baseline target vectorizes plain loops to SSE2 only).
         let kv_b = self.kv_b_proj.view();
         let per_head: Vec<Vec<f32>> = pool().map(h_n, |h| {
+            if n >= MLA_PRODUCT_POSITIONS {
+                return self.head_by_products(h, &q, n, start, cache, &kv_b);
+            }
             let mut row = vec![0f32; kl];
             let mut scales = Vec::new();
             let mut out = vec![0f32; n * vd];
             let mut q_abs = vec![0f32; MLA_TILE * kl];
             let mut ctx = vec![0f32; MLA_TILE * kl];
-            let mut q_pe = vec![0f32; rd];
-            let (mut scores, mut rope_scores) = (Vec::new(), Vec::new());
+            let mut scratch = AttendScratch::default();
             for t0 in (0..n).step_by(MLA_TILE) {
                 let tn = MLA_TILE.min(n - t0);
                 // q_abs[t, c] = sum_d q_nope[t, d] * W_uk[d, c]
@@ -227,24 +328,8 @@ impl TokenMixer for MlaAttention {
                     .take(tn)
                     .enumerate()
                 {
-                    let pos = start + t0 + t;
                     let qh = &q[((t0 + t) * h_n + h) * qk..((t0 + t) * h_n + h + 1) * qk];
-                    q_pe.copy_from_slice(&qh[nope..]);
-                    if let Some(rope) = &self.rope {
-                        rope.apply(&mut q_pe, pos);
-                    }
-                    scores.resize(pos + 1, 0.0);
-                    rope_scores.resize(pos + 1, 0.0);
-                    dots(qa, &cache.latent, &mut scores);
-                    dots(&q_pe, &cache.k_rope, &mut rope_scores);
-                    for (s, r) in scores.iter_mut().zip(&rope_scores) {
-                        *s = (*s + r) * self.softmax_scale;
-                    }
-                    crate::ops::softmax_inplace(&mut scores);
-                    cx.iter_mut().for_each(|c| *c = 0.0);
-                    for (j, &p) in scores.iter().enumerate() {
-                        axpy(cx, p, &cache.latent[j * kl..(j + 1) * kl]);
-                    }
+                    self.attend(qa, &qh[nope..], start + t0 + t, cache, &mut scratch, cx);
                 }
                 // out[t, dv] = W_uv[dv] . ctx[t]
                 for dv in 0..vd {
@@ -272,5 +357,68 @@ impl TokenMixer for MlaAttention {
             }
         }
         Ok(self.o_proj.forward(&attn, n))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lin(rows: usize, cols: usize, seed: &mut u64) -> Linear {
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                *seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.3
+            })
+            .collect();
+        Linear::from_f32(rows, cols, &w).expect("matrix")
+    }
+
+    /// A chunk long enough for the tiled path gives, bit for bit, what the row-by-row path
+    /// gives one position at a time (the decode path), after a cached prefix.
+    #[test]
+    fn chunk_by_products_equals_position_by_position() {
+        let (hidden, h_n, nope, rd, vd, kl) = (64, 4, 16, 8, 16, 64);
+        let mut seed = 3u64;
+        let mla = MlaAttention {
+            num_heads: h_n,
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rd,
+            v_head_dim: vd,
+            kv_lora_rank: kl,
+            q: QProj::Direct(lin(h_n * (nope + rd), hidden, &mut seed)),
+            kv_a_proj_with_mqa: lin(kl + rd, hidden, &mut seed),
+            kv_a_layernorm: RmsNorm {
+                weight: vec![1.0; kl],
+                eps: 1e-6,
+            },
+            kv_b_proj: lin(h_n * (nope + vd), kl, &mut seed),
+            o_proj: lin(hidden, h_n * vd, &mut seed),
+            rope: None,
+            softmax_scale: 0.25,
+            output_gate: Some(lin(h_n * vd, hidden, &mut seed)),
+        };
+        let (prefix, n) = (3, 2 * MLA_PRODUCT_POSITIONS + 1);
+        let x = lin(prefix + n, hidden, &mut seed).view().to_f32();
+        let (mut a, mut b) = (mla.new_state(), mla.new_state());
+        mla.forward(&x[..prefix * hidden], prefix, &mut *a).unwrap();
+        mla.forward(&x[..prefix * hidden], prefix, &mut *b).unwrap();
+        let chunk = mla.forward(&x[prefix * hidden..], n, &mut *a).unwrap();
+        let mut one_by_one = Vec::new();
+        for t in prefix..prefix + n {
+            let y = mla
+                .forward(&x[t * hidden..(t + 1) * hidden], 1, &mut *b)
+                .unwrap();
+            one_by_one.extend(y);
+        }
+        let scale = one_by_one.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = chunk
+            .iter()
+            .zip(&one_by_one)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(scale > 1e-3, "a non-trivial output ({scale})");
+        assert_eq!(err, 0.0, "bit for bit (max error {err} at scale {scale})");
     }
 }
