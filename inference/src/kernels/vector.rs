@@ -85,6 +85,13 @@ fn reduce16(mut acc: [f32; CHAIN]) -> f32 {
     acc[0]
 }
 
+/// [`reduce16`] in place.
+#[inline(always)]
+pub(crate) fn reduce16_of(acc: &mut [f32; CHAIN]) -> f32 {
+    reduce_last16(acc);
+    acc[0]
+}
+
 #[inline(always)]
 fn dots_body(q: &[f32], rows: &[f32], out: &mut [f32]) {
     let w = q.len();

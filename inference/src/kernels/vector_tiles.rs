@@ -5,10 +5,10 @@
 //! every call. One call per head and chunk instead of thousands of 256-value calls: the
 //! row-at-a-time MLA core ran at ~24 GMAC/s on a 32-token prefill.
 
-use super::vector::{level, reduce64, Level};
+use super::vector::{level, reduce16_of, reduce64, Level};
 
 /// Outputs per register tile.
-const TILE_POSITIONS: usize = 4;
+pub const TILE_POSITIONS: usize = 4;
 /// Columns per register tile (four 16-lane vectors per position on AVX-512).
 const TILE_COLS: usize = 64;
 
@@ -66,6 +66,90 @@ pub fn dot_many(row: &[f32], xs: &[f32], n: usize, out: &mut [f32], out_stride: 
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Level::Avx512 => unsafe { x86::dot_many_avx512(row, xs, n, out, out_stride) },
+    }
+}
+
+/// `out[k][r] = q_k . rows[r]` for the `n_rows` rows of `q_k.len()` values laid end to end in
+/// `rows`, for four queries at once (each row loaded once for all four): bit for bit what
+/// [`super::vector::dots`] gives each query alone.
+///
+/// # Panics
+/// If the queries differ in length, `rows` holds fewer than `n_rows` rows or an output fewer
+/// than `n_rows` values.
+pub fn dots4(
+    qs: [&[f32]; TILE_POSITIONS],
+    rows: &[f32],
+    n_rows: usize,
+    out: [&mut [f32]; TILE_POSITIONS],
+) {
+    let w = qs[0].len();
+    assert!(
+        qs.iter().all(|q| q.len() == w),
+        "dots4: queries of one length"
+    );
+    assert!(rows.len() >= n_rows * w, "dots4: a row for every output");
+    assert!(
+        out.iter().all(|o| o.len() >= n_rows),
+        "dots4: room for every output"
+    );
+    match level() {
+        Level::Portable => dots4_body(qs, rows, n_rows, out),
+        // SAFETY: the level is only chosen when the CPU has the feature.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { x86::dots4_avx2(qs, rows, n_rows, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 => unsafe { x86::dots4_avx512(qs, rows, n_rows, out) },
+    }
+}
+
+/// `dots_body`'s arithmetic per (query, row): 16 lane accumulators over whole 16-blocks, the
+/// tail into the first lanes, the fixed pairwise reduction.
+#[inline(always)]
+fn dots4_body(
+    qs: [&[f32]; TILE_POSITIONS],
+    rows: &[f32],
+    n_rows: usize,
+    out: [&mut [f32]; TILE_POSITIONS],
+) {
+    const CHAIN: usize = 16;
+    let w = qs[0].len();
+    let full = w / CHAIN * CHAIN;
+    let [q0, q1, q2, q3] = qs;
+    let [o0, o1, o2, o3] = out;
+    for (r, row) in rows.chunks_exact(w.max(1)).take(n_rows).enumerate() {
+        let (mut a0, mut a1, mut a2, mut a3) =
+            ([0f32; CHAIN], [0f32; CHAIN], [0f32; CHAIN], [0f32; CHAIN]);
+        fn c(v: &[f32], full: usize) -> &[[f32; CHAIN]] {
+            v[..full].as_chunks::<CHAIN>().0
+        }
+        for ((((y, x0), x1), x2), x3) in c(row, full)
+            .iter()
+            .zip(c(q0, full))
+            .zip(c(q1, full))
+            .zip(c(q2, full))
+            .zip(c(q3, full))
+        {
+            for j in 0..CHAIN {
+                a0[j] += x0[j] * y[j];
+                a1[j] += x1[j] * y[j];
+                a2[j] += x2[j] * y[j];
+                a3[j] += x3[j] * y[j];
+            }
+        }
+        // By value (an accumulator whose address escaped kept the lane loop scalar), and a
+        // function, not a closure, so that it inlines into the caller's target features.
+        #[inline(always)]
+        fn finish(mut a: [f32; CHAIN], q: &[f32], row: &[f32], full: usize) -> f32 {
+            for (j, (x, y)) in q[full..].iter().zip(&row[full..]).enumerate() {
+                a[j] += x * y;
+            }
+            reduce16_of(&mut a)
+        }
+        o0[r] = finish(a0, q0, row, full);
+        o1[r] = finish(a1, q1, row, full);
+        o2[r] = finish(a2, q2, row, full);
+        o3[r] = finish(a3, q3, row, full);
     }
 }
 
@@ -180,6 +264,24 @@ fn dot_many_body(row: &[f32], xs: &[f32], n: usize, out: &mut [f32], out_stride:
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     #[target_feature(enable = "avx512f")]
+    pub(super) fn dots4_avx512(
+        qs: [&[f32]; super::TILE_POSITIONS],
+        rows: &[f32],
+        n_rows: usize,
+        out: [&mut [f32]; super::TILE_POSITIONS],
+    ) {
+        super::dots4_body(qs, rows, n_rows, out)
+    }
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dots4_avx2(
+        qs: [&[f32]; super::TILE_POSITIONS],
+        rows: &[f32],
+        n_rows: usize,
+        out: [&mut [f32]; super::TILE_POSITIONS],
+    ) {
+        super::dots4_body(qs, rows, n_rows, out)
+    }
+    #[target_feature(enable = "avx512f")]
     pub(super) fn axpy_rows_avx512(
         coef: &[f32],
         stride: usize,
@@ -240,6 +342,10 @@ mod tests {
             .collect()
     }
 
+    fn xs_rows(n: usize, cols: usize) -> Vec<f32> {
+        values(n * cols, 9)
+    }
+
     /// The oracle is the one-at-a-time calls themselves: equal bits, tails of every kind.
     #[test]
     fn tiles_equal_one_call_at_a_time() {
@@ -267,6 +373,24 @@ mod tests {
                 bits(&want),
                 "axpy_rows n {n} rows {rows} cols {cols}"
             );
+
+            let qs: Vec<Vec<f32>> = (0..TILE_POSITIONS)
+                .map(|k| values(cols, 5 + k as u64))
+                .collect();
+            let mut got: Vec<Vec<f32>> = vec![vec![0f32; n]; TILE_POSITIONS];
+            {
+                let [a, b, c, d] = &mut got[..] else {
+                    unreachable!()
+                };
+                let q = |k: usize| qs[k].as_slice();
+                dots4([q(0), q(1), q(2), q(3)], &xs_rows(n, cols), n, [a, b, c, d]);
+            }
+            for (k, g) in got.iter().enumerate() {
+                let mut want = vec![0f32; n];
+                crate::kernels::vector::dots(&qs[k], &xs_rows(n, cols), &mut want);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(g), bits(&want), "dots4 query {k}, {n} rows of {cols}");
+            }
 
             let row = values(cols, 3);
             let xs = values(n * cols, 4);

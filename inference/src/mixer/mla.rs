@@ -21,7 +21,7 @@ use crate::kernels::pool::pool;
 
 use crate::error::Result;
 use crate::kernels::vector::{axpy, dot, dots};
-use crate::kernels::vector_tiles::{axpy_rows, dot_many};
+use crate::kernels::vector_tiles::{self, axpy_rows, dot_many};
 use crate::linear::{Linear, WeightMatrix};
 use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
 use crate::ops::RmsNorm;
@@ -172,23 +172,51 @@ impl MlaAttention {
         cx: &mut [f32],
     ) {
         let kl = self.kv_lora_rank;
+        let mut p = std::mem::take(&mut s.scores);
+        p.resize(pos + 1, 0.0);
+        self.probabilities(qa, q_rope, pos, cache, s, &mut p);
+        cx.iter_mut().for_each(|c| *c = 0.0);
+        for (j, &pj) in p.iter().enumerate() {
+            axpy(cx, pj, &cache.latent[j * kl..(j + 1) * kl]);
+        }
+        s.scores = p;
+    }
+
+    /// `p[j] = softmax_j(score(pos, j))` for the cached positions `j <= pos` (`p` holds
+    /// `pos + 1`).
+    fn probabilities(
+        &self,
+        qa: &[f32],
+        q_rope: &[f32],
+        pos: usize,
+        cache: &MlaCache,
+        s: &mut AttendScratch,
+        p: &mut [f32],
+    ) {
+        dots(qa, &cache.latent, p);
+        self.finish_probabilities(q_rope, pos, cache, s, p);
+    }
+
+    /// [`MlaAttention::probabilities`] once `p` holds the latent part of the scores.
+    fn finish_probabilities(
+        &self,
+        q_rope: &[f32],
+        pos: usize,
+        cache: &MlaCache,
+        s: &mut AttendScratch,
+        p: &mut [f32],
+    ) {
         s.q_pe.clear();
         s.q_pe.extend_from_slice(q_rope);
         if let Some(rope) = &self.rope {
             rope.apply(&mut s.q_pe, pos);
         }
-        s.scores.resize(pos + 1, 0.0);
         s.rope_scores.resize(pos + 1, 0.0);
-        dots(qa, &cache.latent, &mut s.scores);
         dots(&s.q_pe, &cache.k_rope, &mut s.rope_scores);
-        for (sc, r) in s.scores.iter_mut().zip(&s.rope_scores) {
+        for (sc, r) in p.iter_mut().zip(&s.rope_scores) {
             *sc = (*sc + r) * self.softmax_scale;
         }
-        crate::ops::softmax_inplace(&mut s.scores);
-        cx.iter_mut().for_each(|c| *c = 0.0);
-        for (j, &p) in s.scores.iter().enumerate() {
-            axpy(cx, p, &cache.latent[j * kl..(j + 1) * kl]);
-        }
+        crate::ops::softmax_inplace(p);
     }
 
     /// Head `h` over `n` positions (a prefill chunk): its kv_b_proj rows decoded once, then
@@ -228,11 +256,60 @@ impl MlaAttention {
             kl,
             &mut q_abs,
         );
-        let mut ctx = vec![0f32; n * kl];
+        // Every position's probabilities over the cache, `[n, len]` (zero past its own).
+        let len = start + n;
+        let mut probs = vec![0f32; n * len];
         let mut scratch = AttendScratch::default();
-        for (t, (qa, cx)) in q_abs.chunks(kl).zip(ctx.chunks_mut(kl)).enumerate() {
-            let qh = &q[(t * h_n + h) * qk..(t * h_n + h + 1) * qk];
-            self.attend(qa, &qh[nope..], start + t, cache, &mut scratch, cx);
+        let tile = vector_tiles::TILE_POSITIONS;
+        // The latent scores a tile of positions at a time (each cached row loaded once for
+        // the tile) over the positions all of them see, then each one's causal rest.
+        for t0 in (0..n).step_by(tile) {
+            let tn = tile.min(n - t0);
+            let common = start + t0 + 1;
+            let latent = &cache.latent[..common * kl];
+            let rows = &mut probs[t0 * len..(t0 + tn) * len];
+            if tn == tile {
+                let mut ps = rows.chunks_mut(len);
+                let mut next = || ps.next().map(|p| &mut p[..common]).unwrap_or_default();
+                let out = [next(), next(), next(), next()];
+                let qa = |k: usize| &q_abs[(t0 + k) * kl..(t0 + k + 1) * kl];
+                vector_tiles::dots4([qa(0), qa(1), qa(2), qa(3)], latent, common, out);
+            } else {
+                for (k, p) in rows.chunks_mut(len).enumerate() {
+                    dots(
+                        &q_abs[(t0 + k) * kl..(t0 + k + 1) * kl],
+                        latent,
+                        &mut p[..common],
+                    );
+                }
+            }
+            for t in t0..t0 + tn {
+                let (pos, qa) = (start + t, &q_abs[t * kl..(t + 1) * kl]);
+                let p = &mut probs[t * len..t * len + pos + 1];
+                dots(
+                    qa,
+                    &cache.latent[common * kl..(pos + 1) * kl],
+                    &mut p[common..],
+                );
+                let qh = &q[(t * h_n + h) * qk..(t * h_n + h + 1) * qk];
+                self.finish_probabilities(&qh[nope..], pos, cache, &mut scratch, p);
+            }
+        }
+        // The contexts, a tile of positions at a time: over the cached positions every one of
+        // them sees as register tiles, then each one's remaining (causal) positions, in the
+        // same order as `attend`'s axpy calls.
+        let mut ctx = vec![0f32; n * kl];
+        for t0 in (0..n).step_by(tile) {
+            let tn = tile.min(n - t0);
+            let common = start + t0 + 1;
+            let out = &mut ctx[t0 * kl..(t0 + tn) * kl];
+            axpy_rows(&probs[t0 * len..], len, &cache.latent, common, kl, out);
+            for t in t0 + 1..t0 + tn {
+                let cx = &mut ctx[t * kl..(t + 1) * kl];
+                for j in common..=start + t {
+                    axpy(cx, probs[t * len + j], &cache.latent[j * kl..(j + 1) * kl]);
+                }
+            }
         }
         let mut out = vec![0f32; n * vd];
         for dv in 0..vd {
