@@ -12,7 +12,8 @@
 # prefill: a --prompt-token prompt (llama-bench pp). Both measured the way llama-bench does it:
 # model loaded once, an untimed warm-up run, then timed runs (deltafin: `bench compute`).
 # Medians of --runs, and the median of per-run ratios (engines measured back to back);
-# writes benches/results/vs_llamacpp.json and, with deltafin-plot, vs_llamacpp.svg.
+# writes benches/results/$OUT_NAME.json and, with deltafin-plot, $OUT_NAME.svg (OUT_NAME:
+# vs_llamacpp unless set; e.g. OUT_NAME=vs_llamacpp_pp512 for a --prompt 512 run).
 #
 #   benches/vs_llamacpp.sh [--runs 3] [--decode 64] [--prompt 32] [--formats bf16,q8,int4]
 set -euo pipefail
@@ -30,6 +31,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
+OUT_NAME=${OUT_NAME:-vs_llamacpp}
 LLAMA_DIR=${LLAMA_DIR:-/var/tmp/deltafin-llamacpp/$LLAMA_CPP_PYTHON}
 work=${BENCH_WORK:-/var/tmp/deltafin-bench-model}/vs-llamacpp
 mkdir -p "$work" "$LLAMA_DIR"
@@ -131,7 +133,7 @@ for kind, key in (('decode', 'decode_tokens_per_s_median'), ('prefill', 'prefill
     done
     done
 done
-BENCH_CMD="benches/vs_llamacpp.sh $ORIG_ARGS" python3 - "$raw" "$repo/benches/results/vs_llamacpp.json" \
+BENCH_CMD="benches/vs_llamacpp.sh $ORIG_ARGS" python3 - "$raw" "$repo/benches/results/$OUT_NAME.json" \
     "$LLAMA_CPP_PYTHON" "$PROMPT" "$DECODE" <<'PY'
 import json, os, sys, statistics, datetime, platform, collections
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -177,4 +179,4 @@ rm -f "$raw"
 # The plot beside the JSON: bars of the paired ratios.
 plot="$repo/target/release/deltafin-plot"
 [ -x "$plot" ] || cargo build --release -p deltafin --bin deltafin-plot --manifest-path "$repo/Cargo.toml" >&2
-"$plot" "$repo/benches/results/vs_llamacpp.json" "$repo/benches/results/vs_llamacpp.svg"
+"$plot" "$repo/benches/results/$OUT_NAME.json" "$repo/benches/results/$OUT_NAME.svg"
