@@ -74,30 +74,32 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
     } else {
         (0..owners.len()).map(prepare).collect()
     };
-    let mut reordered: Vec<Vec<f32>> = Vec::new();
-    let mut quantized: Vec<Option<Inputs<'static>>> = Vec::new();
-    // Per owner: where its prepared form went (0: as given, 1: reordered, 2: quantized).
-    let mut place: Vec<(u8, usize)> = Vec::with_capacity(prepared.len());
-    for p in prepared {
-        match p {
-            Prepared::AsGiven => place.push((0, 0)),
-            Prepared::Reordered(v) => {
-                place.push((1, reordered.len()));
-                reordered.push(v);
-            }
-            Prepared::Quantized(q) => {
-                place.push((2, quantized.len()));
-                quantized.push(Some(q));
-            }
-        }
+    // The reordered inputs move into one vector first, so that the prepared inputs can
+    // borrow from it.
+    enum Place {
+        AsGiven,
+        Reordered(usize),
+        Quantized(Inputs<'static>),
     }
-    let unique: Vec<Inputs<'_>> = place
-        .iter()
+    let mut reordered: Vec<Vec<f32>> = Vec::new();
+    let places: Vec<Place> = prepared
+        .into_iter()
+        .map(|p| match p {
+            Prepared::AsGiven => Place::AsGiven,
+            Prepared::Reordered(v) => {
+                reordered.push(v);
+                Place::Reordered(reordered.len() - 1)
+            }
+            Prepared::Quantized(q) => Place::Quantized(q),
+        })
+        .collect();
+    let unique: Vec<Inputs<'_>> = places
+        .into_iter()
         .zip(&owner_x)
-        .map(|(&(how, j), &(_, x))| match how {
-            1 => Inputs::F32(&reordered[j]),
-            2 => quantized[j].take().unwrap_or(Inputs::F32(x)),
-            _ => Inputs::F32(x),
+        .map(|(place, &(_, x))| match place {
+            Place::AsGiven => Inputs::F32(x),
+            Place::Reordered(j) => Inputs::F32(&reordered[j]),
+            Place::Quantized(q) => q,
         })
         .collect();
     // What the tasks read of each job, apart from its output.
