@@ -299,22 +299,6 @@ fn simd_matches_reference() {
     }
 }
 
-/// A long chunk (its outputs reordered by ranges of inputs on the pool's threads) equals its
-/// inputs one at a time bit for bit, ranges of every length included.
-#[test]
-fn a_long_chunk_equals_its_inputs_one_at_a_time() {
-    let isa = simd_isas().into_iter().next().unwrap_or(Isa::Scalar);
-    let (rows, cols, n) = (600, 64, 517);
-    let mat = make("bf16", rows, cols, 11);
-    let m = mat.view();
-    let x = inputs(n, cols, 12);
-    let all = run(isa, &m, &x, n, Act::F32);
-    for t in [0, 1, 63, 64, 65, 300, n - 1] {
-        let one = run(isa, &m, &x[t * cols..(t + 1) * cols], 1, Act::F32);
-        assert_eq!(one, all[t * rows..(t + 1) * rows], "input {t}");
-    }
-}
-
 /// A matrix-vector product equals the matching row of a matrix product bit for bit, for
 /// short and long rows (the four-row tiles take matrix-vector products over 16 KiB of input,
 /// and every AVX-512 BF16 / FP8 one): batched verification and chunked prefill then give
