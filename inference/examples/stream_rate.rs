@@ -1,9 +1,11 @@
-//! Memory-streaming probe: `cargo run --release -p deltafin-inference --example stream_rate -- FORMAT [MIB]
-//! [N]` (bf16 | q8 | int4 | mxfp4; N inputs per expert, default 1). Lays out MIB (default 2048) of expert-shaped matrices (gate_up
-//! 1024x1024, down 1024x512), then times, on the kernel pool's threads:
+//! Memory-streaming probe:
+//! `cargo run --release -p deltafin-inference --example stream_rate -- FORMAT [MIB] [N]`
+//! (bf16 | q8 | int4 | mxfp4; N inputs per expert, default 1). Lays out MIB (default 2048) of
+//! expert-shaped matrices (gate_up 1024x1024, down 1024x512), then times, on the kernel pool's
+//! threads:
 //! - `read`: every byte loaded once, summed (the ceiling a kernel can reach);
-//! - `decode`: decode-shaped passes, 8 experts' gate_up in one `matmul_jobs` pass then their
-//!   down projections in another, cycling through all experts so nothing stays in cache.
+//! - `expert passes`: 8 experts' gate_up in one `matmul_jobs` pass then their down projections
+//!   in another, N inputs each, cycling through all experts so nothing stays in cache.
 //!
 //! GB/s of weight bytes, median of 7 sweeps.
 use std::time::Instant;

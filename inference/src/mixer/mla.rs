@@ -32,9 +32,9 @@ use crate::spans::{span, Phase};
 /// rows (16 KiB each at kv_lora 256: L1).
 const MLA_TILE: usize = 16;
 
-/// Positions from which a call runs each head as matrix products
-/// ([`MlaAttention::head_by_products`]) instead of walking kv_b_proj row by row.
-const MLA_PRODUCT_POSITIONS: usize = 8;
+/// Positions from which a call runs each head in register tiles ([`MlaAttention::head_chunk`])
+/// instead of walking kv_b_proj row by row (the same bits either way).
+const MLA_CHUNK_POSITIONS: usize = 8;
 
 /// Query projection: low-rank with a norm in between, or direct.
 #[derive(Debug, Clone)]
@@ -224,7 +224,7 @@ impl MlaAttention {
     /// as register tiles ([`crate::kernels::vector_tiles`]). Bit for bit what walking the rows
     /// one position tile at a time gives (the same operations in the same order), so a chunk
     /// still equals position-by-position decoding.
-    fn head_by_products(
+    fn head_chunk(
         &self,
         h: usize,
         q: &[f32],
@@ -370,8 +370,8 @@ impl TokenMixer for MlaAttention {
         cache.len = start + n;
         let cache: &MlaCache = cache;
 
-        // One task per head. A chunk of MLA_PRODUCT_POSITIONS or more runs the head as two
-        // matrix products (`head_by_products`). Fewer positions (decode) walk its kv_b_proj
+        // One task per head. A chunk of MLA_CHUNK_POSITIONS or more runs the head in register
+        // tiles (`head_chunk`). Fewer positions (decode) walk its kv_b_proj
         // rows, each decoded into an L1-sized buffer and applied to a tile of positions before
         // the next: reading the rows once per tile instead of decoding the whole head into a
         // fresh buffer per forward, which cost more than the arithmetic at decode (1.07 of
@@ -380,8 +380,8 @@ impl TokenMixer for MlaAttention {
         // CPU has them (the baseline target vectorizes plain loops to SSE2 only).
         let kv_b = self.kv_b_proj.view();
         let per_head: Vec<Vec<f32>> = pool().map(h_n, |h| {
-            if n >= MLA_PRODUCT_POSITIONS {
-                return self.head_by_products(h, &q, n, start, cache, &kv_b);
+            if n >= MLA_CHUNK_POSITIONS {
+                return self.head_chunk(h, &q, n, start, cache, &kv_b);
             }
             let mut row = vec![0f32; kl];
             let mut scales = Vec::new();
@@ -456,7 +456,7 @@ mod tests {
     /// A chunk long enough for the tiled path gives, bit for bit, what the row-by-row path
     /// gives one position at a time (the decode path), after a cached prefix.
     #[test]
-    fn chunk_by_products_equals_position_by_position() {
+    fn chunk_in_tiles_equals_position_by_position() {
         let (hidden, h_n, nope, rd, vd, kl) = (64, 4, 16, 8, 16, 64);
         let mut seed = 3u64;
         let mla = MlaAttention {
@@ -477,7 +477,7 @@ mod tests {
             softmax_scale: 0.25,
             output_gate: Some(lin(h_n * vd, hidden, &mut seed)),
         };
-        let (prefix, n) = (3, 2 * MLA_PRODUCT_POSITIONS + 1);
+        let (prefix, n) = (3, 2 * MLA_CHUNK_POSITIONS + 1);
         let x = lin(prefix + n, hidden, &mut seed).view().to_f32();
         let (mut a, mut b) = (mla.new_state(), mla.new_state());
         mla.forward(&x[..prefix * hidden], prefix, &mut *a).unwrap();
