@@ -1,5 +1,5 @@
 //! Quick GEMM rate probe: `cargo run --release -p deltafin-inference --example gemm_rate -- ROWS COLS N FORMAT`
-//! (bf16 | q8 | int4): GMAC/s of `WeightMatrix::matmul` on in-cache weights, median of 20.
+//! (bf16 | q8 | int4) [ITERS, default 25]: GMAC/s of `WeightMatrix::matmul` on in-cache weights, median of 20.
 use std::time::Instant;
 
 use deltafin_inference::kernels::KernelConfig;
@@ -12,6 +12,7 @@ fn main() {
     let cols: usize = a.get(2).and_then(|v| v.parse().ok()).unwrap_or(1024);
     let n: usize = a.get(3).and_then(|v| v.parse().ok()).unwrap_or(32);
     let fmt = a.get(4).cloned().unwrap_or_else(|| "bf16".into());
+    let iters: usize = a.get(5).and_then(|v| v.parse().ok()).unwrap_or(25);
     let mut s = 1u64;
     let mut r = || {
         s = s
@@ -27,7 +28,7 @@ fn main() {
         .with_kernels(KernelConfig::default());
     let mut out = vec![0f32; n * rows];
     let mut times = Vec::new();
-    for _ in 0..25 {
+    for _ in 0..iters {
         let t = Instant::now();
         m.matmul(&x, n, &mut out);
         times.push(t.elapsed().as_secs_f64());
