@@ -13,7 +13,7 @@ use crate::kernels::scalar;
 use crate::kernels::scales::{group_scale_bytes, row_scales};
 use crate::kernels::shape::{prefetch_l2, KernelShape, BLOCK};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{x86, x86_avx512};
+use crate::kernels::{x86, x86_avx512, x86_avx512_bf16};
 use crate::linear::matrix::WeightMatrix;
 
 /// One row against `n` inputs: `out[t] = dot(W[row], x[t])`.
@@ -58,6 +58,17 @@ fn row_dot(
                 }
             }
             scalar::row_f32(kind, row, scales, x, cols, n, out)
+        }
+        Inputs::Bf16(x) => {
+            #[cfg(target_arch = "x86_64")]
+            if simd && kind == WeightFormat::Bf16 && x86_avx512_bf16::available() {
+                // SAFETY: AVX-512 F/BW/BF16 were detected; `simd_shape` makes `cols` a
+                // multiple of 32, the row is `2 * cols` bytes (BF16), `x` `n * cols` and `out`
+                // `n`, checked by `matmul`.
+                unsafe { x86_avx512_bf16::rows_bf16::<1>([row], x, cols, n, [out]) };
+                return;
+            }
+            scalar::row_bf16_act(row, x, cols, n, out)
         }
         Inputs::I8 { q, d } => {
             #[cfg(target_arch = "x86_64")]
@@ -220,6 +231,7 @@ pub(crate) fn prepare_inputs<'x>(
 ) -> Inputs<'x> {
     match prepare_owned(isa, kind, cols, act, x) {
         Prepared::AsGiven => Inputs::F32(x),
+        Prepared::RoundedToBf16 => Inputs::Bf16(x),
         Prepared::Reordered(v) => {
             *slot = v;
             Inputs::F32(slot)
@@ -233,6 +245,8 @@ pub(crate) fn prepare_inputs<'x>(
 pub(crate) enum Prepared {
     /// The kernels read `x` itself.
     AsGiven,
+    /// The kernels read `x` itself and round it to BF16 ([`Act::Bf16`]).
+    RoundedToBf16,
     /// `x` reordered (AVX-512 BF16).
     Reordered(Vec<f32>),
     /// `x` quantized (the integer formats' 8- and 16-bit paths).
@@ -254,6 +268,10 @@ pub(crate) fn prepare_owned(
             return Prepared::Quantized(Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)))
         }
         _ => {}
+    }
+    #[cfg(target_arch = "x86_64")]
+    if act == Act::Bf16 && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {
+        return Prepared::RoundedToBf16;
     }
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx512() && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {
@@ -285,6 +303,27 @@ pub(crate) fn rows_task(
     let data = m.data_bytes();
     let r0 = bi * block;
     let nr = o.len() / n;
+    #[cfg(target_arch = "x86_64")]
+    if let Inputs::Bf16(xf) = xin {
+        if kind == WeightFormat::Bf16 && kind.simd_shape(cols) && x86_avx512_bf16::available() {
+            let chunk = (L1_INPUT_BYTES / (4 * cols)).max(4) / 4 * 4;
+            // SAFETY: `available()` and `simd_shape` (cols a multiple of 32) were checked; the
+            // task's rows are `rb = 2 * cols` bytes each, `xf` holds `n * cols` values (checked by
+            // `matmul`) and `o` `nr * n`.
+            unsafe {
+                x86_avx512_bf16::rows_task(
+                    &data[r0 * rb..(r0 + nr) * rb],
+                    rb,
+                    xf,
+                    cols,
+                    n,
+                    chunk,
+                    o,
+                )
+            };
+            return;
+        }
+    }
     let group = kind.group(cols);
     let expand = !matches!(xin, Inputs::F32(_)) && group != BLOCK;
     // Scales of the task's rows `a..b` as f32 into `buf`; the integer kernels take one
@@ -491,7 +530,7 @@ pub(crate) fn rows_task(
                                 [a, b],
                             )
                         },
-                        Inputs::I8 { .. } => unreachable!("f32_path or i16_path"),
+                        Inputs::I8 { .. } | Inputs::Bf16(_) => unreachable!("f32_path or i16_path"),
                     }
                     p += 2;
                 }

@@ -17,6 +17,8 @@ pub enum Inputs<'x> {
     I8 { q: Vec<i8>, d: Vec<f32> },
     /// `[n, cols]` 16-bit inputs, block order as for `I8`.
     I16(I16Inputs),
+    /// `[n, cols]` f32 that the kernels round to BF16 ([`super::Act::Bf16`], BF16 weights).
+    Bf16(&'x [f32]),
 }
 
 /// Inputs quantized to 16 bits per 32-value block: `x ~ d[b] * (256 * hi + lo)`.

@@ -131,6 +131,9 @@ pub enum Act {
     I8,
     /// 16 bits per 32-value block as two int8 planes (INT4 / MXFP4 / Q8 only).
     I16,
+    /// Rounded to BF16 and multiplied by AVX-512 BF16 `vdpbf16ps` (BF16 weights only, opt-in:
+    /// llama.cpp's BF16 precision, not the fixtures').
+    Bf16,
 }
 
 /// Which kernels a model's matrices run: the instruction set, and whether the integer formats
@@ -141,6 +144,9 @@ pub struct KernelConfig {
     pub isa: Isa,
     /// Keep f32 activations for INT4 / MXFP4 / Q8 too.
     pub f32_activations: bool,
+    /// Round activations to BF16 for BF16 weights where the CPU has AVX-512 BF16
+    /// ([`Act::Bf16`]); elsewhere f32 as usual.
+    pub bf16_activations: bool,
 }
 
 impl Default for KernelConfig {
@@ -156,6 +162,7 @@ impl KernelConfig {
         KernelConfig {
             isa: Isa::best(),
             f32_activations: false,
+            bf16_activations: false,
         }
     }
 
@@ -164,11 +171,13 @@ impl KernelConfig {
         KernelConfig {
             isa: Isa::capped(isa),
             f32_activations: false,
+            bf16_activations: false,
         }
     }
 
-    /// The default: the best kernels, capped by `DELTAFIN_KERNELS=scalar|avx2|avxvnni` and with
-    /// `DELTAFIN_ACTIVATIONS=f32` forcing f32 activations (read once per process).
+    /// The default: the best kernels, capped by `DELTAFIN_KERNELS=scalar|avx2|avxvnni`, with
+    /// `DELTAFIN_ACTIVATIONS=f32` forcing f32 activations and `DELTAFIN_ACTIVATIONS=bf16` asking
+    /// for [`Act::Bf16`] (read once per process).
     pub fn from_env() -> KernelConfig {
         static FROM_ENV: OnceLock<KernelConfig> = OnceLock::new();
         *FROM_ENV.get_or_init(|| {
@@ -177,11 +186,11 @@ impl KernelConfig {
                 Some(i) => Isa::capped(i),
                 None => Isa::best(),
             };
-            let f32_activations =
-                std::env::var("DELTAFIN_ACTIVATIONS").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
+            let acts = std::env::var("DELTAFIN_ACTIVATIONS").unwrap_or_default();
             KernelConfig {
                 isa,
-                f32_activations,
+                f32_activations: acts.eq_ignore_ascii_case("f32"),
+                bf16_activations: acts.eq_ignore_ascii_case("bf16"),
             }
         })
     }
@@ -189,8 +198,18 @@ impl KernelConfig {
     /// The activation precision `format` runs with: [`Act::I16`] for the integer formats on
     /// x86_64 with AVX2, AVX-VNNI or AVX-512 VNNI (within the fixtures' tolerance; AVX-512: at
     /// memory speed; AVX2: INT4 / MXFP4 twice the f32 kernels' speed, Q8 1.0-1.4x), f32
-    /// elsewhere (NEON has no 16-bit kernels yet) or when f32 activations are asked for.
+    /// elsewhere (NEON has no 16-bit kernels yet) or when f32 activations are asked for;
+    /// [`Act::Bf16`] for BF16 weights when asked for and the CPU has AVX-512 BF16 (without it,
+    /// f32: the exact path, never an emulation).
     pub fn act(&self, format: WeightFormat) -> Act {
+        #[cfg(target_arch = "x86_64")]
+        if self.bf16_activations
+            && format == WeightFormat::Bf16
+            && self.isa.has_avx512()
+            && super::x86_avx512_bf16::available()
+        {
+            return Act::Bf16;
+        }
         if !self.f32_activations
             && format.integer()
             && matches!(

@@ -78,6 +78,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
     // borrow from it.
     enum Place {
         AsGiven,
+        RoundedToBf16,
         Reordered(usize),
         Quantized(Inputs<'static>),
     }
@@ -86,6 +87,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
         .into_iter()
         .map(|p| match p {
             Prepared::AsGiven => Place::AsGiven,
+            Prepared::RoundedToBf16 => Place::RoundedToBf16,
             Prepared::Reordered(v) => {
                 reordered.push(v);
                 Place::Reordered(reordered.len() - 1)
@@ -98,6 +100,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
         .zip(&owner_x)
         .map(|(place, &(_, x))| match place {
             Place::AsGiven => Inputs::F32(x),
+            Place::RoundedToBf16 => Inputs::Bf16(x),
             Place::Reordered(j) => Inputs::F32(&reordered[j]),
             Place::Quantized(q) => q,
         })

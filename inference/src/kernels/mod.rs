@@ -21,6 +21,10 @@
 //!   plane does 64 multiply-adds. About 256x finer than `I8` (half a step is amax / 65024) and,
 //!   with VNNI, as fast as the memory system; [`model_act`] picks it for the integer formats
 //!   when the AVX-512 kernels run.
+//! - [`Act::Bf16`]: opt-in (`DELTAFIN_ACTIVATIONS=bf16`), BF16 weights only, x86_64 with AVX-512
+//!   BF16: inputs rounded to BF16 and multiplied by `vdpbf16ps` (`x86_avx512_bf16`), llama.cpp's
+//!   BF16 precision at twice the f32 multiply rate; beyond the fixtures' tolerance (about 2x), so
+//!   never the default. Without AVX-512 BF16 it is f32.
 //!
 //! Files: [`isa`] (instruction sets, [`KernelConfig`]), [`shape`] (the 32-column block),
 //! [`inputs`] / [`quantize_inputs`] (inputs prepared once per call), [`scales`] (scales as f32),
@@ -51,6 +55,8 @@ pub mod vector_tiles;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512_bf16;
 
 pub use dispatch::{matmul, matmul_many_with, matmul_with};
 pub use inputs::{i16_slot, I16Inputs, Inputs};

@@ -143,6 +143,32 @@ pub fn row_f32(
     })
 }
 
+/// `x` rounded to BF16 the way `vcvtne2ps2bf16` rounds it: to nearest even, subnormals
+/// flushed to zero (of the same sign), NaN kept a NaN.
+pub fn round_bf16(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    if x != 0.0 && x.abs() < f32::MIN_POSITIVE {
+        return 0.0f32.copysign(x);
+    }
+    half::bf16::from_f32(x).to_f32()
+}
+
+/// [`super::Act::Bf16`]'s reference: `out[t] = dot(decode(row), round_bf16(x[t*cols..]))`
+/// (BF16 weights).
+pub fn row_bf16_act(row: &[u8], x: &[f32], cols: usize, n: usize, out: &mut [f32]) {
+    let mut w = vec![0f32; cols];
+    decode_row(WeightFormat::Bf16, row, &[], cols, &mut w);
+    for (t, o) in out[..n].iter_mut().enumerate() {
+        let xr: Vec<f32> = x[t * cols..(t + 1) * cols]
+            .iter()
+            .map(|&v| round_bf16(v))
+            .collect();
+        *o = dot(&w, &xr);
+    }
+}
+
 /// The integer codes of one 32-column block at column `c`, in the order
 /// [`super::quantize_inputs`] stores the inputs for `kind`, and the code-to-value factor that
 /// the block's f32 scale and the input scale leave out (none: MXFP4's halving is in the input
