@@ -2,20 +2,17 @@
 //! scalar reference that rounds the inputs the same way, and a matrix-vector product equal to
 //! the matching row of a matrix product bit for bit (what keeps chunked prefill equal to
 //! decoding token by token in this mode).
+mod common;
+
 use deltafin_formats::WeightFormat;
 use deltafin_inference::kernels::{scalar, Act, KernelConfig};
 use deltafin_inference::linear::WeightMatrix;
 use deltafin_inference::run::calibrate::packed_matrix;
 
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5) * scale
-        })
+    common::lcg_values(n, seed)
+        .into_iter()
+        .map(|v| v * scale)
         .collect()
 }
 

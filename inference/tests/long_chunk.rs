@@ -1,21 +1,12 @@
 //! A long prefill chunk through a matrix equals its inputs one at a time, bit for bit: chunked
 //! prefill, batched verification and token-by-token decoding give the same numbers.
 
+mod common;
+
+use common::lcg_values as values;
 use deltafin_inference::kernels::KernelConfig;
 use deltafin_inference::linear::WeightMatrix;
 use deltafin_inference::run::calibrate::packed_matrix;
-
-fn values(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
-    (0..len)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
 
 #[test]
 fn a_long_chunk_equals_its_inputs_one_at_a_time() {

@@ -127,6 +127,12 @@ const TASK_BYTES: usize = 256 << 10;
 /// 2048x1024 at 8 and 32 inputs (`examples/gemm_rate.rs`).
 const L1_INPUT_BYTES: usize = 24 << 10;
 
+/// Inputs per chunk of a matrix product, `per_input` bytes each, that stay in L1: a multiple of
+/// four (the 16-bit and BF16-activation tiles' width; the f32 tile takes two).
+fn l1_input_chunk(per_input: usize) -> usize {
+    (L1_INPUT_BYTES / per_input.max(1)).max(4) / 4 * 4
+}
+
 /// [`matmul`] on a chosen instruction set (falls back to scalar if `isa` is unavailable).
 pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
     matmul_many_with(isa, &[m], x, n, &mut [out], act)
@@ -306,7 +312,7 @@ pub(crate) fn rows_task(
     #[cfg(target_arch = "x86_64")]
     if let Inputs::Bf16(xf) = xin {
         if kind == WeightFormat::Bf16 && kind.simd_shape(cols) && x86_avx512_bf16::available() {
-            let chunk = (L1_INPUT_BYTES / (4 * cols)).max(4) / 4 * 4;
+            let chunk = l1_input_chunk(4 * cols);
             // SAFETY: `available()` and `simd_shape` (cols a multiple of 32) were checked; the
             // task's rows are `rb = 2 * cols` bytes each, `xf` holds `n * cols` values (checked by
             // `matmul`) and `o` `nr * n`.
@@ -458,8 +464,7 @@ pub(crate) fn rows_task(
                 Inputs::F32(_) => 4 * cols,
                 _ => 2 * cols + 8 * (cols / BLOCK),
             };
-            // A multiple of four inputs (the 16-bit tile's width; the f32 tile takes two).
-            let chunk = (L1_INPUT_BYTES / per_input).max(4) / 4 * 4;
+            let chunk = l1_input_chunk(per_input);
             let pairs_end = first + (nr - first) / 2 * 2;
             let (st, sb) = if raw_pairs {
                 (m.scale_type(), group_scale_bytes(m, r0, r0 + nr))

@@ -74,6 +74,19 @@ impl Reference {
 }
 
 /// max |a - b|
+/// `len` deterministic pseudo-random values in [-0.5, 0.5) (a 64-bit LCG from `seed`).
+pub fn lcg_values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
