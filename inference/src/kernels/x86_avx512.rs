@@ -35,8 +35,12 @@ pub fn supports_f32(kind: WeightFormat) -> bool {
 
 /// How far ahead (bytes) the tiles prefetch at least: one short row (BF16
 /// experts' 1-2 KiB) ahead was too close for DRAM latency at 2 threads (decode 72 -> 76 tokens/s
-/// at 4 KiB on the 3.1B BF16 synth, benches/vs_llamacpp.sh model; 8 and 16 KiB no better).
-const MIN_PREFETCH_AHEAD: usize = 4096;
+/// at 4 KiB on the 3.1B BF16 synth, benches/vs_llamacpp.sh model, Zen 5). The hint is T1 (into
+/// L2), not T0: on Zen 4 a T0 prefetch holds one of the few L1 miss buffers for the whole DRAM
+/// round trip, which capped one core's stream at half the read rate (matrix-vector expert
+/// passes 20 -> 26 GB/s BF16, 12 -> 23 GB/s Q8, 13 -> 20 GB/s INT4, examples/stream_rate;
+/// benches/results/prefetch_hint_session12.txt); 16 KiB ahead into L2 is as fast as 4 KiB.
+const MIN_PREFETCH_AHEAD: usize = 16384;
 
 /// f32-activation kernels: `out[t] = sum_c w[c] * x[t*cols + c]`.
 ///
@@ -81,7 +85,7 @@ macro_rules! f32_tile {
                     // group end is at most `cols`), so the decode reads inside the row and the
                     // input loads read `x[t*cols + c ..][..32]` with `t < N`, inside `x`.
                     unsafe {
-                        _mm_prefetch::<_MM_HINT_T0>($p.wrapping_add(c * bpc + ahead) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T1>($p.wrapping_add(c * bpc + ahead) as *const i8);
                         let w: [__m512; 2] = $decode;
                         for (t, g) in g.iter_mut().enumerate() {
                             let xr = xp.add(t * cols + c);
@@ -140,7 +144,7 @@ macro_rules! f32_tile {
                     unsafe {
                         let w: [[__m512; 2]; 2] = std::array::from_fn(|r| {
                             let $p = rows[r].as_ptr();
-                            _mm_prefetch::<_MM_HINT_T0>(
+                            _mm_prefetch::<_MM_HINT_T1>(
                                 $p.wrapping_add(c * bpc + ahead) as *const i8
                             );
                             $decode
@@ -210,7 +214,7 @@ macro_rules! f32_tile {
                         for (r, g) in g.iter_mut().enumerate() {
                             let $p = rows[r].as_ptr();
                             // The same position `R` rows on (the next tile's rows): a hint.
-                            _mm_prefetch::<_MM_HINT_T0>(
+                            _mm_prefetch::<_MM_HINT_T1>(
                                 $p.wrapping_add(c * bpc + ahead) as *const i8
                             );
                             let $c = c;
@@ -879,7 +883,7 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     }
                 });
                 for r in 0..R {
-                    _mm_prefetch::<_MM_HINT_T0>(scales.addr(r, g + R * blocks));
+                    _mm_prefetch::<_MM_HINT_T1>(scales.addr(r, g + R * blocks));
                     let w = if n == 16 {
                         scales.load16(r, g)
                     } else {
@@ -911,7 +915,7 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                 });
                 for r in 0..R {
                     for line in (0..4 * C::BLOCK_BYTES).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(
+                        _mm_prefetch::<_MM_HINT_T1>(
                             p[r].wrapping_add(b * C::BLOCK_BYTES + line + ahead) as *const i8,
                         );
                     }

@@ -54,7 +54,7 @@ unsafe fn tile<const R: usize, const N: usize>(
         unsafe {
             let w: [__m512bh; R] = std::array::from_fn(|r| {
                 let p = rows[r].as_ptr().add(2 * c);
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(ahead) as *const i8);
+                _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead) as *const i8);
                 // The same 512 bits: 32 BF16 weights in stored order.
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i))
             });
