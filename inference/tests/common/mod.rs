@@ -73,7 +73,6 @@ impl Reference {
     }
 }
 
-/// max |a - b|
 /// `len` deterministic pseudo-random values in [-0.5, 0.5) (a 64-bit LCG from `seed`).
 pub fn lcg_values(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
@@ -87,6 +86,7 @@ pub fn lcg_values(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// max |a - b|
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
