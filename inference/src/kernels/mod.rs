@@ -45,6 +45,7 @@ pub mod inputs;
 pub mod isa;
 pub mod jobs;
 pub mod pool;
+pub(crate) mod prepare;
 pub mod quantize_inputs;
 pub mod scalar;
 pub mod scales;
