@@ -20,8 +20,11 @@ pub const TILE_ROWS: usize = 4;
 /// Inputs per tile call.
 pub const TILE_INPUTS: usize = 4;
 
-/// Prefetch distance floor (bytes), as for the f32 tiles.
+/// Prefetch distance floor (bytes) of the multi-row tiles.
 const MIN_PREFETCH_AHEAD: usize = 4096;
+/// The single-row tile's (matrix-vector products): 16 KiB ahead into L2, as the f32 single-row
+/// tile (`x86_avx512`).
+const MIN_PREFETCH_AHEAD_ONE_ROW: usize = 16384;
 
 /// Whether this machine runs these kernels.
 pub fn available() -> bool {
@@ -44,7 +47,12 @@ unsafe fn tile<const R: usize, const N: usize>(
     outs: [&mut [f32]; R],
 ) {
     let xp = x.as_ptr();
-    let ahead = (R * rows[0].len()).max(MIN_PREFETCH_AHEAD);
+    let floor = if R == 1 {
+        MIN_PREFETCH_AHEAD_ONE_ROW
+    } else {
+        MIN_PREFETCH_AHEAD
+    };
+    let ahead = (R * rows[0].len()).max(floor);
     let mut acc = [[_mm512_setzero_ps(); N]; R];
     let mut c = 0usize;
     while c < cols {
@@ -81,7 +89,7 @@ unsafe fn tile<const R: usize, const N: usize>(
 ///
 /// # Safety
 /// [`available`]; `cols` a multiple of 32; each `rows[r].len() == 2 * cols`,
-/// `x.len() >= n * cols`, each `outs[r].len() >= n`; `R` is 1, [`TILE_ROWS`] or 8 (one input).
+/// `x.len() >= n * cols`, each `outs[r].len() >= n`; `R` is 1 or [`TILE_ROWS`].
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub unsafe fn rows_bf16<const R: usize>(
     rows: [&[u8]; R],
@@ -117,10 +125,12 @@ pub unsafe fn rows_bf16<const R: usize>(
 }
 
 /// `dispatch::rows_task` for BF16 weights and [`super::Act::Bf16`] inputs: `o[i * n + t] =
-/// dot(row i, x[t])` for the `o.len() / n` rows in `data`: eight rows at a time for one
-/// input (eight independent accumulator chains; four left decode 10-20% slower), four at a time
-/// over the inputs in chunks that stay in L1 for several (as the f32 tiles), then any last rows
-/// one by one. Every output is summed the same way in each (see `x86_avx512_bf16`).
+/// dot(row i, x[t])` for the `o.len() / n` rows in `data`: one row at a time for one input
+/// (the rows read in order, as the f32 matrix-vector tile reads them: on Zen 4 the eight-row
+/// tile, eight streams at once, decoded 12% slower than the f32 path, and the single row
+/// streamed as fast as it; benches/results/bf16_decode_tile_session13.txt), four at a time
+/// over the inputs in chunks that stay in L1 for several (as the f32 tiles), then any last
+/// rows one by one. Every output is summed the same way in each (see `x86_avx512_bf16`).
 ///
 /// # Safety
 /// [`available`]; `cols` a multiple of 32, `rb == 2 * cols`, `data` holding `o.len() / n` rows,
@@ -164,13 +174,12 @@ pub unsafe fn rows_task(
     for t0 in (0..n).step_by(chunk) {
         let nn = chunk.min(n - t0);
         let xs = &x[t0 * cols..(t0 + nn) * cols];
-        // SAFETY: the caller's contract; `xs` holds the chunk's `nn` inputs.
-        let done = unsafe {
-            if n == 1 {
-                tiles::<8>(data, rb, xs, cols, n, (t0, nn), o)
-            } else {
-                tiles::<{ TILE_ROWS }>(data, rb, xs, cols, n, (t0, nn), o)
-            }
+        // One input: every row by the single-row tile below.
+        let done = if n == 1 {
+            0
+        } else {
+            // SAFETY: the caller's contract; `xs` holds the chunk's `nn` inputs.
+            unsafe { tiles::<{ TILE_ROWS }>(data, rb, xs, cols, n, (t0, nn), o) }
         };
         for (i, orow) in o.chunks_mut(n).enumerate().skip(done) {
             let row = &data[i * rb..(i + 1) * rb];
