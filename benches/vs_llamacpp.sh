@@ -99,15 +99,19 @@ prompt_ids=$(python3 -c "import random; r=random.Random(1); print(','.join(str(r
 # Format by format, so that each one's files are in the page cache while it is measured (all
 # of them together do not fit this machine's RAM): a warm-up read first, then the runs.
 for f in "${formats[@]}"; do
-    # (deltafin model dir, GGUF) pairs: experts-only quantization on both sides, then
-    # everything quantized on both sides.
+    # (deltafin model dir, GGUF, deltafin activations) triples: experts-only quantization on
+    # both sides, then everything quantized on both sides. BF16 twice: deltafin's default
+    # (exact f32 activations) and DELTAFIN_ACTIVATIONS=bf16 (activations rounded to BF16 for
+    # vdpbf16ps, llama.cpp's own BF16 precision: the like-for-like pair).
     if [ "$f" = bf16 ]; then
-        pairs=("$work/ds-bf16|$g16")
+        pairs=("$work/ds-bf16|$g16|default" "$work/ds-bf16|$g16|bf16")
     else
-        pairs=("$work/ds-$f|$work/ds-$f-experts.gguf" "$work/ds-$f-dense|$work/ds-$f.gguf")
+        pairs=("$work/ds-$f|$work/ds-$f-experts.gguf|default" "$work/ds-$f-dense|$work/ds-$f.gguf|default")
     fi
     for pair in "${pairs[@]}"; do
-    d=${pair%%|*}; g=${pair##*|}
+    IFS='|' read -r d g act <<< "$pair"
+    acts_env=()
+    [ "$act" = default ] || acts_env=(env "DELTAFIN_ACTIVATIONS=$act")
     # Both engines' files into the page cache (each engine maps them; "in RAM" means this).
     cat "$d"/*.safetensors "$g" > /dev/null
     for ((r = 0; r < RUNS; r++)); do
@@ -118,17 +122,17 @@ import json, sys
 for l in sys.stdin:
     x = json.loads(l)
     kind = 'prefill' if x['n_prompt'] > 0 else 'decode'
-    print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'pair': '$(basename "$g")', 'run': $r, 'kind': kind,
+    print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'pair': '$(basename "$g")', 'variant': '$act', 'run': $r, 'kind': kind,
                       'tokens_per_s': x['avg_ts'], 'cpu_info': x.get('cpu_info'),
                       'model_type': x.get('model_type'), 'n_threads': x.get('n_threads')}))" >> "$raw"
         # deltafin: the same measurement in one process (`bench compute`: load, one untimed
         # warm-up generation, then a fresh session for prefill and one for decode).
-        "$bin" bench compute "$d" --prompt "$PROMPT" --decode "$DECODE" --runs 1 --json 2>/dev/null |
+        "${acts_env[@]}" "$bin" bench compute "$d" --prompt "$PROMPT" --decode "$DECODE" --runs 1 --json 2>/dev/null |
             tail -1 | python3 -c "
 import json, sys
 x = json.loads(sys.stdin.read())
 for kind, key in (('decode', 'decode_tokens_per_s_median'), ('prefill', 'prefill_tokens_per_s_median')):
-    print(json.dumps({'engine': 'deltafin', 'format': '$f', 'pair': '$(basename "$g")', 'dir': '$(basename "$d")',
+    print(json.dumps({'engine': 'deltafin', 'format': '$f', 'pair': '$(basename "$g")', 'dir': '$(basename "$d")', 'variant': '$act',
                       'run': $r, 'kind': kind, 'tokens_per_s': x[key], 'kernels': x.get('kernels')}))" >> "$raw"
     done
     done
@@ -139,12 +143,13 @@ import json, os, sys, statistics, datetime, platform, collections
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 groups = collections.defaultdict(list)
 for x in rows:
-    groups[(x["format"], x["kind"], x["pair"], x["engine"])].append(x)
+    groups[(x["format"], x["kind"], x["pair"], x.get("variant", "default"), x["engine"])].append(x)
 table = []
 for fmt in ["bf16", "q8", "int4"]:
     for kind in ["decode", "prefill"]:
-        for pair in sorted({k[2] for k in groups if k[:2] == (fmt, kind)}):
-            ours, theirs = groups.get((fmt, kind, pair, "deltafin")), groups.get((fmt, kind, pair, "llama.cpp"))
+        for pair, variant in sorted({k[2:4] for k in groups if k[:2] == (fmt, kind)}):
+            ours = groups.get((fmt, kind, pair, variant, "deltafin"))
+            theirs = groups.get((fmt, kind, pair, variant, "llama.cpp"))
             if not ours or not theirs:
                 continue
             om = statistics.median(x["tokens_per_s"] for x in ours)
@@ -155,6 +160,7 @@ for fmt in ["bf16", "q8", "int4"]:
             t = {x["run"]: x["tokens_per_s"] for x in theirs}
             paired = [o[r] / t[r] for r in sorted(o) if r in t]
             table.append({"format": fmt, "kind": kind, "llama_cpp_file": pair, "deltafin_dir": ours[0]["dir"],
+                          "deltafin_activations": "f32 (exact)" if variant == "default" else variant,
                           "deltafin_tokens_per_s": om, "llama_cpp_tokens_per_s": tm,
                           "ratio_of_medians": om / tm,
                           "ratio": statistics.median(paired), "paired_ratios": paired})
@@ -171,7 +177,7 @@ out = {"benchmark": "deltafin vs llama.cpp in RAM, 2 threads, same synthetic mod
        "table": table, "runs": rows}
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for t in table:
-    print(f"{t['format']:5} {t['kind']:7} {t['deltafin_dir']:14} vs {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
+    print(f"{t['format']:5} {t['kind']:7} {t['deltafin_dir']:14} {t['deltafin_activations']:11} vs {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
           f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  paired ratio {t['ratio']:.2f} "
           f"({min(t['paired_ratios']):.2f}-{max(t['paired_ratios']):.2f})")
 PY

@@ -130,8 +130,14 @@ fn plot_ratios(doc: &Value, out: &str) -> anyhow::Result<()> {
         .iter()
         .map(|r| {
             let file = r["llama_cpp_file"].as_str().unwrap_or("?");
+            // Cells of a non-default activation precision (BF16 `DELTAFIN_ACTIVATIONS=bf16`)
+            // say so; older files have no such field.
+            let acts = match r["deltafin_activations"].as_str() {
+                Some(a) if !a.starts_with("f32") => format!(" ({a} act.)"),
+                _ => String::new(),
+            };
             let label = format!(
-                "{} {}{}",
+                "{} {}{}{acts}",
                 r["format"].as_str().unwrap_or("?"),
                 r["kind"].as_str().unwrap_or("?"),
                 if file.contains("experts") {
