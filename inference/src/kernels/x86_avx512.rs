@@ -260,14 +260,47 @@ f32_tile!(f32_bf16, rows_bf16, pair_bf16, false, |p, c| {
 });
 
 /// The input order the BF16 kernels take: within each 32-block of each input, the 16 even
-/// elements then the 16 odd ones (`x.len()` a multiple of 32).
+/// elements then the 16 odd ones (`x.len()` a multiple of 32). Two permutes per block where
+/// AVX-512 F runs (it does wherever these kernels do): the element-by-element copy was 1.1%
+/// of a BF16 decode token's samples, on the forward thread between passes.
 pub fn bf16_input_order(x: &[f32]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(x.len());
-    for b in x.chunks_exact(BLOCK) {
-        out.extend(b.iter().step_by(2));
-        out.extend(b.iter().skip(1).step_by(2));
+    let mut out = vec![0f32; x.len() / BLOCK * BLOCK];
+    if is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512 F was detected; `out` holds as many whole blocks as `x`.
+        unsafe { bf16_input_order_avx512(x, &mut out) };
+    } else {
+        bf16_input_order_scalar(x, &mut out);
     }
     out
+}
+
+/// [`bf16_input_order`]'s reference: element by element.
+fn bf16_input_order_scalar(x: &[f32], out: &mut [f32]) {
+    for (b, o) in x.chunks_exact(BLOCK).zip(out.chunks_exact_mut(BLOCK)) {
+        let (evens, odds) = o.split_at_mut(BLOCK / 2);
+        for (k, (e, d)) in evens.iter_mut().zip(odds).enumerate() {
+            (*e, *d) = (b[2 * k], b[2 * k + 1]);
+        }
+    }
+}
+
+/// # Safety
+/// AVX-512 F available.
+#[target_feature(enable = "avx512f")]
+unsafe fn bf16_input_order_avx512(x: &[f32], out: &mut [f32]) {
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (b, o) in x.chunks_exact(BLOCK).zip(out.chunks_exact_mut(BLOCK)) {
+        // SAFETY: `b` and `o` are 32 values each: two 16-lane loads and stores apiece.
+        unsafe {
+            let (lo, hi) = (
+                _mm512_loadu_ps(b.as_ptr()),
+                _mm512_loadu_ps(b.as_ptr().add(16)),
+            );
+            _mm512_storeu_ps(o.as_mut_ptr(), _mm512_permutex2var_ps(lo, even, hi));
+            _mm512_storeu_ps(o.as_mut_ptr().add(16), _mm512_permutex2var_ps(lo, odd, hi));
+        }
+    }
 }
 
 f32_tile!(f32_f16, rows_f16, pair_f16, false, |p, c| {
@@ -1488,5 +1521,25 @@ pub unsafe fn decode_row_packed(
             _mm512_storeu_ps(o.add(c + 16), _mm512_mul_ps(b, s1));
         }
         c += BLOCK;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_input_order_is_evens_then_odds_per_block() {
+        let x: Vec<f32> = (0..96).map(|i| i as f32).collect();
+        let want: Vec<f32> = x
+            .chunks(BLOCK)
+            .flat_map(|b| b.iter().step_by(2).chain(b.iter().skip(1).step_by(2)))
+            .copied()
+            .collect();
+        let mut scalar = vec![0f32; x.len()];
+        bf16_input_order_scalar(&x, &mut scalar);
+        assert_eq!(scalar, want);
+        // On this machine's best path (AVX-512 where it runs).
+        assert_eq!(bf16_input_order(&x), want);
     }
 }
