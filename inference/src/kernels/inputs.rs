@@ -39,6 +39,10 @@ pub struct I16Inputs {
     /// `[n, cols/32]` each block's input sum, `d * sum(256 * hi + lo)` (the kernels' offset
     /// correction).
     pub dsums: Vec<f32>,
+    /// `lo` is all zeros: the inputs are 8-bit ([`super::Act::I8`]'s values, `hi` alone), and
+    /// the AVX-512 tiles skip the low plane (half the integer products). Every other kernel
+    /// reads the zeros and gives the same values.
+    pub hi_only: bool,
 }
 
 /// Position of element `i` of a 32-block in the kernels' input order for `kind`.

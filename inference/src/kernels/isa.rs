@@ -147,6 +147,8 @@ pub struct KernelConfig {
     /// Round activations to BF16 for BF16 weights where the CPU has AVX-512 BF16
     /// ([`Act::Bf16`]); elsewhere f32 as usual.
     pub bf16_activations: bool,
+    /// 8-bit activations ([`Act::I8`]) for INT4 / MXFP4 / Q8 where the SIMD kernels run.
+    pub i8_activations: bool,
 }
 
 impl Default for KernelConfig {
@@ -163,6 +165,7 @@ impl KernelConfig {
             isa: Isa::best(),
             f32_activations: false,
             bf16_activations: false,
+            i8_activations: false,
         }
     }
 
@@ -172,12 +175,13 @@ impl KernelConfig {
             isa: Isa::capped(isa),
             f32_activations: false,
             bf16_activations: false,
+            i8_activations: false,
         }
     }
 
     /// The default: the best kernels, capped by `DELTAFIN_KERNELS=scalar|avx2|avxvnni`, with
-    /// `DELTAFIN_ACTIVATIONS=f32` forcing f32 activations and `DELTAFIN_ACTIVATIONS=bf16` asking
-    /// for [`Act::Bf16`] (read once per process).
+    /// `DELTAFIN_ACTIVATIONS=f32` forcing f32 activations, `DELTAFIN_ACTIVATIONS=bf16` asking
+    /// for [`Act::Bf16`] and `DELTAFIN_ACTIVATIONS=i8` for [`Act::I8`] (read once per process).
     pub fn from_env() -> KernelConfig {
         static FROM_ENV: OnceLock<KernelConfig> = OnceLock::new();
         *FROM_ENV.get_or_init(|| {
@@ -191,6 +195,7 @@ impl KernelConfig {
                 isa,
                 f32_activations: acts.eq_ignore_ascii_case("f32"),
                 bf16_activations: acts.eq_ignore_ascii_case("bf16"),
+                i8_activations: acts.eq_ignore_ascii_case("i8"),
             }
         })
     }
@@ -209,6 +214,9 @@ impl KernelConfig {
             && super::x86_avx512_bf16::available()
         {
             return Act::Bf16;
+        }
+        if self.i8_activations && format.integer() && self.isa != Isa::Scalar {
+            return Act::I8;
         }
         if !self.f32_activations
             && format.integer()

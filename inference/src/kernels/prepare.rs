@@ -6,7 +6,9 @@ use deltafin_formats::WeightFormat;
 
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::{Act, Isa};
-use crate::kernels::quantize_inputs::{quantize_inputs, quantize_inputs_i16};
+use crate::kernels::quantize_inputs::{
+    quantize_inputs, quantize_inputs_i16, quantize_inputs_i8_planes,
+};
 use crate::kernels::shape::KernelShape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::x86_avx512;
@@ -56,6 +58,11 @@ pub(crate) fn prepare_owned(
 ) -> Prepared {
     let integer_ok = kind.integer() && kind.simd_shape(cols);
     match act {
+        // AVX-512: the same 8-bit values in the 16-bit layout, whose tiles then skip the low
+        // plane; elsewhere the int8 kernels' own layout.
+        Act::I8 if integer_ok && isa.has_avx512() => {
+            return Prepared::Quantized(Inputs::I16(quantize_inputs_i8_planes(isa, kind, x, cols)))
+        }
         Act::I8 if integer_ok => return Prepared::Quantized(quantize_inputs(kind, x, cols)),
         Act::I16 if integer_ok => {
             return Prepared::Quantized(Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)))

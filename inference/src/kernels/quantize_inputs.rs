@@ -32,6 +32,7 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
         lo: vec![0; x.len()],
         d: vec![0.0; blocks],
         dsums: vec![0.0; blocks],
+        hi_only: false,
     };
     let extra = if matches!(kind, WeightFormat::Mxfp4 { .. }) {
         0.5
@@ -97,6 +98,41 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     out
 }
 
+/// `x [n, cols]` as 8-bit blocks held in the 16-bit layout ([`Act::I8`] on AVX-512): the
+/// high plane of [`quantize_inputs_i16`] (`round(x / (amax / 127))`, [`quantize_inputs`]'s
+/// codes and scale), the low plane zeroed and each block's sum taken over the high plane
+/// alone, flagged [`I16Inputs::hi_only`] so that the AVX-512 tiles skip the low plane.
+///
+/// [`Act::I8`]: crate::kernels::isa::Act::I8
+///
+/// # Panics
+/// As [`quantize_inputs_i16`].
+pub fn quantize_inputs_i8_planes(
+    isa: Isa,
+    kind: WeightFormat,
+    x: &[f32],
+    cols: usize,
+) -> I16Inputs {
+    let mut q = quantize_inputs_i16(isa, kind, x, cols);
+    let per_row = cols / BLOCK;
+    let mut sums = vec![0i32; q.d.len()];
+    for (row, (hi, lo)) in
+        q.hi.chunks_exact(cols)
+            .zip(q.lo.chunks_exact_mut(cols))
+            .enumerate()
+    {
+        for e in 0..cols {
+            sums[row * per_row + e / BLOCK] += 256 * i32::from(hi[i16_slot(kind, cols, e)]);
+        }
+        lo.fill(0);
+    }
+    for ((ds, &d), sum) in q.dsums.iter_mut().zip(&q.d).zip(sums) {
+        *ds = d * sum as f32;
+    }
+    q.hi_only = true;
+    q
+}
+
 /// Quantize `x [n, cols]` (cols a multiple of 32) to int8 blocks for `kind`.
 pub fn quantize_inputs(kind: WeightFormat, x: &[f32], cols: usize) -> Inputs<'static> {
     let blocks = x.len() / BLOCK;
@@ -127,6 +163,44 @@ pub fn quantize_inputs(kind: WeightFormat, x: &[f32], cols: usize) -> Inputs<'st
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 8-bit planes hold [`quantize_inputs`]'s codes and scales, a zero low plane and the
+    /// high plane's block sums.
+    #[test]
+    fn i8_planes_are_the_int8_quantization() {
+        for kind in [
+            WeightFormat::Int4 { group: 32 },
+            WeightFormat::Mxfp4 { group: 32 },
+            WeightFormat::Q8 { group: 32 },
+        ] {
+            for cols in [32, 160, 288] {
+                let n = 3;
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 13 == 0 { 9.0 } else { 0.1 })
+                    .collect();
+                let p = quantize_inputs_i8_planes(Isa::best(), kind, &x, cols);
+                let Inputs::I8 { q, d } = quantize_inputs(kind, &x, cols) else {
+                    unreachable!("quantize_inputs gives int8 inputs")
+                };
+                assert!(p.hi_only && p.lo.iter().all(|&l| l == 0));
+                let per_row = cols / BLOCK;
+                for row in 0..n {
+                    for b in 0..per_row {
+                        let i = row * per_row + b;
+                        assert_eq!(p.d[i] * 256.0, d[i], "{kind:?} cols={cols} block {i}");
+                        let mut sum = 0i32;
+                        for e in 0..BLOCK {
+                            let hi = p.hi[row * cols + i16_slot(kind, cols, b * BLOCK + e)];
+                            let want = q[row * cols + b * BLOCK + block_slot(kind, e)];
+                            assert_eq!(hi, want, "{kind:?} cols={cols} row {row} block {b} e {e}");
+                            sum += 256 * i32::from(hi);
+                        }
+                        assert_eq!(p.dsums[i], p.d[i] * sum as f32);
+                    }
+                }
+            }
+        }
+    }
 
     /// Each ISA's 16-bit quantization gives the portable bytes, NaN, infinity, zero blocks and
     /// ties included.

@@ -872,7 +872,7 @@ macro_rules! i16_tile_fn {
 /// `cols` codes and `scales` `cols / 32` block scales per row; `x` holds `N * cols` codes per
 /// plane and `N * cols / 32` scales and sums; `out` `R * N` values.
 #[target_feature(enable = $features)]
-unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
+unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const LO: bool>(
     rows: [&[u8]; R],
     scales: S,
     x: I16Slices<'_>,
@@ -939,11 +939,18 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
             unsafe {
                 let xs: [[__m512i; 4]; N] = std::array::from_fn(|t| {
                     let o = t * cols + b * BLOCK;
+                    let lo = |k: usize| {
+                        if LO {
+                            _mm512_loadu_si512(lp.add(o + k) as *const __m512i)
+                        } else {
+                            _mm512_setzero_si512()
+                        }
+                    };
                     [
                         _mm512_loadu_si512(hp.add(o) as *const __m512i),
                         _mm512_loadu_si512(hp.add(o + 64) as *const __m512i),
-                        _mm512_loadu_si512(lp.add(o) as *const __m512i),
-                        _mm512_loadu_si512(lp.add(o + 64) as *const __m512i),
+                        lo(0),
+                        lo(64),
                     ]
                 });
                 for r in 0..R {
@@ -957,12 +964,17 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                         let [h0, h1, l0, l1] = xs[t];
                         // The planes' sums in two independent chains (one chain of four
                         // dependent `vpdpbusd` bound the tile by their latency), then
-                        // `256 * hi + lo`: the same integers in either order.
+                        // `256 * hi + lo`: the same integers in either order. Without a low
+                        // plane (`!LO`: it is all zeros) `256 * hi` alone, the same value.
                         let sh = <$dot>::dp::<C>(_mm512_setzero_si512(), ev, h0);
-                        let sl = <$dot>::dp::<C>(_mm512_setzero_si512(), ev, l0);
                         let sh = <$dot>::dp::<C>(sh, od, h1);
-                        let sl = <$dot>::dp::<C>(sl, od, l1);
-                        let s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+                        let s = if LO {
+                            let sl = <$dot>::dp::<C>(_mm512_setzero_si512(), ev, l0);
+                            let sl = <$dot>::dp::<C>(sl, od, l1);
+                            _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl)
+                        } else {
+                            _mm512_slli_epi32(sh, 8)
+                        };
                         let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
@@ -981,7 +993,11 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     let o = t * cols + b * BLOCK;
                     [
                         _mm512_loadu_si512(hp.add(o) as *const __m512i),
-                        _mm512_loadu_si512(lp.add(o) as *const __m512i),
+                        if LO {
+                            _mm512_loadu_si512(lp.add(o) as *const __m512i)
+                        } else {
+                            _mm512_setzero_si512()
+                        },
                     ]
                 });
                 for r in 0..R {
@@ -989,8 +1005,12 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     for t in 0..N {
                         let [xh, xl] = xs[t];
                         let sh = <$dot>::dp::<C>(_mm512_setzero_si512(), u, xh);
-                        let sl = <$dot>::dp::<C>(_mm512_setzero_si512(), u, xl);
-                        let s = _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl);
+                        let s = if LO {
+                            let sl = <$dot>::dp::<C>(_mm512_setzero_si512(), u, xl);
+                            _mm512_add_epi32(_mm512_slli_epi32(sh, 8), sl)
+                        } else {
+                            _mm512_slli_epi32(sh, 8)
+                        };
                         let sv = _mm512_permutexvar_ps(idx, wd[r][t]);
                         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sv, acc[r][t]);
                     }
@@ -1031,9 +1051,13 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize>(
                     for t in 0..N {
                         let o = t * cols + b * BLOCK;
                         let xh = _mm256_loadu_si256(hp.add(o) as *const __m256i);
-                        let xl = _mm256_loadu_si256(lp.add(o) as *const __m256i);
                         let s = <$dot>::dp256::<C>(_mm256_setzero_si256(), u, xh);
-                        let s = <$dot>::dp256::<C>(_mm256_slli_epi32(s, 8), u, xl);
+                        let s = if LO {
+                            let xl = _mm256_loadu_si256(lp.add(o) as *const __m256i);
+                            <$dot>::dp256::<C>(_mm256_slli_epi32(s, 8), u, xl)
+                        } else {
+                            _mm256_slli_epi32(s, 8)
+                        };
                         let sv = _mm512_permutexvar_ps(_mm512_set1_epi32(j as i32), wd[r][t]);
                         let prod = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm512_castps512_ps256(sv));
                         acc[r][t] = _mm512_add_ps(acc[r][t], _mm512_zextps256_ps512(prod));
@@ -1062,6 +1086,8 @@ i16_tile_fn!(i16_tile_bw, "avx512f,avx512bw,avx512vl,avx2,fma", Bw);
 /// Inputs `t..t + k` of an [`I16Inputs`].
 #[derive(Clone, Copy)]
 struct I16Slices<'a> {
+    /// The low plane is all zeros ([`I16Inputs::hi_only`]): the tiles skip it.
+    hi_only: bool,
     hi: &'a [i8],
     lo: &'a [i8],
     d: &'a [f32],
@@ -1072,6 +1098,7 @@ impl<'a> I16Slices<'a> {
     fn of(x: &'a I16Inputs, t: usize, k: usize, cols: usize) -> Self {
         let blocks = cols / BLOCK;
         I16Slices {
+            hi_only: x.hi_only,
             hi: &x.hi[t * cols..(t + k) * cols],
             lo: &x.lo[t * cols..(t + k) * cols],
             d: &x.d[t * blocks..(t + k) * blocks],
@@ -1119,11 +1146,12 @@ unsafe fn tile_with_scales<C: Codes, const VNNI: bool, const R: usize, const N: 
             });
             // SAFETY: the caller's contract.
             unsafe {
-                let sc = RawScales(p, std::marker::PhantomData);
-                if VNNI {
-                    i16_tile_vnni::<C, RawScales<$t, R>, R, N>(rows, sc, x, cols, out)
-                } else {
-                    i16_tile_bw::<C, RawScales<$t, R>, R, N>(rows, sc, x, cols, out)
+                let sc: RawScales<$t, R> = RawScales(p, std::marker::PhantomData);
+                match (VNNI, x.hi_only) {
+                    (true, false) => i16_tile_vnni::<C, _, R, N, true>(rows, sc, x, cols, out),
+                    (true, true) => i16_tile_vnni::<C, _, R, N, false>(rows, sc, x, cols, out),
+                    (false, false) => i16_tile_bw::<C, _, R, N, true>(rows, sc, x, cols, out),
+                    (false, true) => i16_tile_bw::<C, _, R, N, false>(rows, sc, x, cols, out),
                 }
             }
         }};
@@ -1138,10 +1166,12 @@ unsafe fn tile_with_scales<C: Codes, const VNNI: bool, const R: usize, const N: 
             });
             // SAFETY: the caller's contract.
             unsafe {
-                if VNNI {
-                    i16_tile_vnni::<C, F32Scales<R>, R, N>(rows, F32Scales(p), x, cols, out)
-                } else {
-                    i16_tile_bw::<C, F32Scales<R>, R, N>(rows, F32Scales(p), x, cols, out)
+                let sc = F32Scales(p);
+                match (VNNI, x.hi_only) {
+                    (true, false) => i16_tile_vnni::<C, _, R, N, true>(rows, sc, x, cols, out),
+                    (true, true) => i16_tile_vnni::<C, _, R, N, false>(rows, sc, x, cols, out),
+                    (false, false) => i16_tile_bw::<C, _, R, N, true>(rows, sc, x, cols, out),
+                    (false, true) => i16_tile_bw::<C, _, R, N, false>(rows, sc, x, cols, out),
                 }
             }
         }
