@@ -100,13 +100,17 @@ prompt_ids=$(python3 -c "import random; r=random.Random(1); print(','.join(str(r
 # of them together do not fit this machine's RAM): a warm-up read first, then the runs.
 for f in "${formats[@]}"; do
     # (deltafin model dir, GGUF, deltafin activations) triples: experts-only quantization on
-    # both sides, then everything quantized on both sides. BF16 twice: deltafin's default
-    # (exact f32 activations) and DELTAFIN_ACTIVATIONS=bf16 (activations rounded to BF16 for
-    # vdpbf16ps, llama.cpp's own BF16 precision: the like-for-like pair).
+    # both sides, then everything quantized on both sides. Each twice: deltafin's default
+    # activations (BF16: exact f32; INT4/Q8: 16 bits per 32 values) and the precision llama.cpp
+    # itself uses, opt-in in deltafin (BF16: DELTAFIN_ACTIVATIONS=bf16, rounded to BF16 for
+    # vdpbf16ps; INT4/Q8: DELTAFIN_ACTIVATIONS=i8, 8 bits per 32 values): the like-for-like pair.
     if [ "$f" = bf16 ]; then
         pairs=("$work/ds-bf16|$g16|default" "$work/ds-bf16|$g16|bf16")
     else
-        pairs=("$work/ds-$f|$work/ds-$f-experts.gguf|default" "$work/ds-$f-dense|$work/ds-$f.gguf|default")
+        pairs=()
+        for a in default i8; do
+            pairs+=("$work/ds-$f|$work/ds-$f-experts.gguf|$a" "$work/ds-$f-dense|$work/ds-$f.gguf|$a")
+        done
     fi
     for pair in "${pairs[@]}"; do
     IFS='|' read -r d g act <<< "$pair"
@@ -160,7 +164,7 @@ for fmt in ["bf16", "q8", "int4"]:
             t = {x["run"]: x["tokens_per_s"] for x in theirs}
             paired = [o[r] / t[r] for r in sorted(o) if r in t]
             table.append({"format": fmt, "kind": kind, "llama_cpp_file": pair, "deltafin_dir": ours[0]["dir"],
-                          "deltafin_activations": "f32 (exact)" if variant == "default" else variant,
+                          "deltafin_activations": variant,
                           "deltafin_tokens_per_s": om, "llama_cpp_tokens_per_s": tm,
                           "ratio_of_medians": om / tm,
                           "ratio": statistics.median(paired), "paired_ratios": paired})

@@ -133,7 +133,7 @@ fn plot_ratios(doc: &Value, out: &str) -> anyhow::Result<()> {
             // Cells of a non-default activation precision (BF16 `DELTAFIN_ACTIVATIONS=bf16`)
             // say so; older files have no such field.
             let acts = match r["deltafin_activations"].as_str() {
-                Some(a) if !a.starts_with("f32") => format!(" ({a} act.)"),
+                Some(a) if a != "default" => format!(" ({a} act.)"),
                 _ => String::new(),
             };
             let label = format!(
