@@ -31,7 +31,7 @@
 //!   never the default. Without AVX-512 BF16 it is f32.
 //!
 //! Files: [`isa`] (instruction sets, [`KernelConfig`]), [`shape`] (the 32-column block),
-//! [`inputs`] / [`quantize_inputs`] (inputs prepared once per call), [`scales`] (scales as f32),
+//! [`inputs`] / [`quantize_inputs`] / `prepare` (inputs prepared once per call), [`scales`] (scales as f32),
 //! [`dispatch`] (tasks and per-row dispatch), [`jobs`] (many products in one pass), and the per-ISA kernels [`scalar`], `x86`,
 //! `x86_avx512`, `aarch64`.
 //!

@@ -164,15 +164,18 @@ pub fn quantize_inputs(kind: WeightFormat, x: &[f32], cols: usize) -> Inputs<'st
 mod tests {
     use super::*;
 
+    /// The formats the integer kernels take, at their one block size.
+    const INTEGER_KINDS: [WeightFormat; 3] = [
+        WeightFormat::Int4 { group: 32 },
+        WeightFormat::Mxfp4 { group: 32 },
+        WeightFormat::Q8 { group: 32 },
+    ];
+
     /// The 8-bit planes hold [`quantize_inputs`]'s codes and scales, a zero low plane and the
     /// high plane's block sums.
     #[test]
     fn i8_planes_are_the_int8_quantization() {
-        for kind in [
-            WeightFormat::Int4 { group: 32 },
-            WeightFormat::Mxfp4 { group: 32 },
-            WeightFormat::Q8 { group: 32 },
-        ] {
+        for kind in INTEGER_KINDS {
             for cols in [32, 160, 288] {
                 let n = 3;
                 let x: Vec<f32> = (0..n * cols)
@@ -206,11 +209,7 @@ mod tests {
     /// ties included.
     #[test]
     fn i16_quantizers_agree() {
-        for kind in [
-            WeightFormat::Int4 { group: 32 },
-            WeightFormat::Mxfp4 { group: 32 },
-            WeightFormat::Q8 { group: 32 },
-        ] {
+        for kind in INTEGER_KINDS {
             for cols in [32, 96, 128, 160, 288] {
                 let n = 4;
                 let mut x: Vec<f32> = (0..n * cols)
@@ -256,11 +255,7 @@ mod tests {
     /// low byte's clamp to +-127 can add the other half), in the documented order.
     #[test]
     fn i16_inputs_rebuild_the_values() {
-        for kind in [
-            WeightFormat::Int4 { group: 32 },
-            WeightFormat::Mxfp4 { group: 32 },
-            WeightFormat::Q8 { group: 32 },
-        ] {
+        for kind in INTEGER_KINDS {
             for cols in [32, 64, 128, 160, 224, 288] {
                 let n = 3;
                 let x: Vec<f32> = (0..n * cols)

@@ -40,7 +40,7 @@ pub fn supports_f32(kind: WeightFormat) -> bool {
 /// round trip, which capped one core's stream at half the read rate (matrix-vector expert
 /// passes 20 -> 26 GB/s BF16, 12 -> 23 GB/s Q8, 13 -> 20 GB/s INT4, examples/stream_rate;
 /// benches/results/prefetch_hint_session12.txt); 16 KiB ahead into L2 is as fast as 4 KiB.
-const MIN_PREFETCH_AHEAD: usize = 16384;
+pub(super) const MIN_PREFETCH_AHEAD: usize = 16384;
 
 /// f32-activation kernels: `out[t] = sum_c w[c] * x[t*cols + c]`.
 ///
@@ -261,8 +261,8 @@ f32_tile!(f32_bf16, rows_bf16, pair_bf16, false, |p, c| {
 
 /// The input order the BF16 kernels take: within each 32-block of each input, the 16 even
 /// elements then the 16 odd ones (`x.len()` a multiple of 32). Two permutes per block where
-/// AVX-512 F runs (it does wherever these kernels do): the element-by-element copy was 1.1%
-/// of a BF16 decode token's samples, on the forward thread between passes.
+/// AVX-512 F runs (it does wherever these kernels do): the element-by-element copy was 0.29%
+/// of a BF16 decode profile's samples (0.17% now), on the forward thread between passes.
 pub fn bf16_input_order(x: &[f32]) -> Vec<f32> {
     let mut out = vec![0f32; x.len() / BLOCK * BLOCK];
     if is_x86_feature_detected!("avx512f") {

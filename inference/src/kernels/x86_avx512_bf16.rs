@@ -22,9 +22,8 @@ pub const TILE_INPUTS: usize = 4;
 
 /// Prefetch distance floor (bytes) of the multi-row tiles.
 const MIN_PREFETCH_AHEAD: usize = 4096;
-/// The single-row tile's (matrix-vector products): 16 KiB ahead into L2, as the f32 single-row
-/// tile (`x86_avx512`).
-const MIN_PREFETCH_AHEAD_ONE_ROW: usize = 16384;
+/// The single-row tile's (matrix-vector products): the f32 single-row tile's distance.
+const MIN_PREFETCH_AHEAD_ONE_ROW: usize = super::x86_avx512::MIN_PREFETCH_AHEAD;
 
 /// Whether this machine runs these kernels.
 pub fn available() -> bool {
