@@ -23,13 +23,16 @@ pub enum Inputs<'x> {
 
 /// Inputs quantized to 16 bits per 32-value block: `x ~ d[b] * (256 * hi + lo)`.
 ///
-/// Element order inside each input row ([`i16_slot`]): each run of four blocks `4q..4q+4`
-/// (128 values) is stored as two halves of 64, each holding 16 values of every block in block
-/// order: for the 4-bit formats the evens then the odds (the order one 64-byte load of nibbles
-/// splits into), for Q8 the first 16 then the last 16 of each block. Blocks after the last
-/// whole run are stored one by one (4-bit: evens then odds; Q8: natural order).
+/// Element order inside each input row ([`i16_slot`]), [`I16Order::Quads`]: each run of four
+/// blocks `4q..4q+4` (128 values) is stored as two halves of 64, each holding 16 values of
+/// every block in block order: for the 4-bit formats the evens then the odds (the order one
+/// 64-byte load of nibbles splits into), for Q8 the first 16 then the last 16 of each block.
+/// Blocks after the last whole run are stored one by one (4-bit: evens then odds; Q8: natural
+/// order). [`I16Order::Groups`] stores whole groups of 16 blocks transposed first.
 #[derive(Debug, Default)]
 pub struct I16Inputs {
+    /// Which element order `hi` / `lo` are in.
+    pub order: I16Order,
     /// `[n, cols]` high bytes (`round(x / (amax / 127))`).
     pub hi: Vec<i8>,
     /// `[n, cols]` low bytes: the remainder in 1/256 steps.
@@ -58,10 +61,48 @@ pub(crate) fn block_slot(kind: WeightFormat, i: usize) -> usize {
     }
 }
 
-/// Position of element `i` (of a row of `cols`) in the [`I16Inputs`] order for `kind`.
-pub fn i16_slot(kind: WeightFormat, cols: usize, i: usize) -> usize {
+/// The element orders of [`I16Inputs`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum I16Order {
+    /// Runs of four blocks, then single blocks (see [`I16Inputs`]).
+    #[default]
+    Quads,
+    /// The 4-bit formats on AVX-512: each whole group of 16 blocks `16g..16g + 16` (512
+    /// values) as eight 64-byte vectors `v = 2u + p` (`u` in 0..4, `p` the parity), vector `v`
+    /// holding, for each block, the four values `8u + p + 2k` (`k` in 0..4) in 32-bit lane
+    /// [`group_lane`] of the block: the order a 4x4 transpose of the group's 256 packed bytes
+    /// then a nibble split gives, so that one 32-bit lane sums a whole block and the tile
+    /// scales each block once, not once per quarter. The blocks after the last whole group
+    /// as in [`I16Order::Quads`].
+    Groups,
+}
+
+impl I16Order {
+    /// The order the AVX-512 tiles (`avx512`) or every other kernel take for `kind`.
+    pub fn for_kind(kind: WeightFormat, avx512: bool) -> Self {
+        if avx512 && matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. }) {
+            I16Order::Groups
+        } else {
+            I16Order::Quads
+        }
+    }
+}
+
+/// The 32-bit lane that block `j` (0..16) of a group takes in [`I16Order::Groups`]: lane
+/// `4l + m` holds block `4m + l` (an involution: the same map takes lanes to blocks).
+pub(crate) const fn group_lane(j: usize) -> usize {
+    4 * (j % 4) + j / 4
+}
+
+/// Position of element `i` (of a row of `cols`) in the [`I16Inputs`] order `order` for `kind`.
+pub fn i16_slot(kind: WeightFormat, cols: usize, order: I16Order, i: usize) -> usize {
     let (b, e) = (i / BLOCK, i % BLOCK);
     let quads = cols / BLOCK / 4;
+    let groups = cols / BLOCK / 16;
+    if order == I16Order::Groups && b < groups * 16 {
+        let (u, p, k) = (e / 8, e % 2, (e % 8) / 2);
+        return (b / 16) * 16 * BLOCK + (2 * u + p) * 64 + group_lane(b % 16) * 4 + k;
+    }
     match kind {
         WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. } if b < quads * 4 => {
             (b / 4) * 4 * BLOCK + (e % 2) * 64 + (b % 4) * 16 + e / 2

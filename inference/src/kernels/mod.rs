@@ -64,7 +64,7 @@ mod x86_avx512;
 mod x86_avx512_bf16;
 
 pub use dispatch::{matmul, matmul_many_with, matmul_with};
-pub use inputs::{i16_slot, I16Inputs, Inputs};
+pub use inputs::{i16_slot, I16Inputs, I16Order, Inputs};
 pub use isa::{Act, Isa, KernelConfig};
 pub use jobs::{matmul_jobs, MatmulJob};
 pub use quantize_inputs::{quantize_inputs, quantize_inputs_i16, quantize_inputs_i8_planes};

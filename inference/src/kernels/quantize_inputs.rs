@@ -4,8 +4,8 @@
 use deltafin_formats::WeightFormat;
 
 use crate::kernels::inputs::{
-    block_amax, block_slot, i16_block_scales, i16_inverses, i16_slot, round_small, BlockRuns,
-    I16Inputs, Inputs,
+    block_amax, block_slot, group_lane, i16_block_scales, i16_inverses, i16_slot, round_small,
+    BlockRuns, I16Inputs, I16Order, Inputs,
 };
 use crate::kernels::isa::Isa;
 use crate::kernels::shape::BLOCK;
@@ -27,7 +27,9 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     );
     let isa = if isa.available() { isa } else { Isa::Scalar };
     let blocks = x.len() / BLOCK;
+    let order = I16Order::for_kind(kind, isa.has_avx512());
     let mut out = I16Inputs {
+        order,
         hi: vec![0; x.len()],
         lo: vec![0; x.len()],
         d: vec![0.0; blocks],
@@ -41,61 +43,88 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     };
     // Where each element of a block goes relative to the block's element 0: the same for
     // every block of a run of four (and for every block after the runs).
-    let quads = cols / BLOCK / 4;
-    let in_run: [usize; BLOCK] = std::array::from_fn(|e| i16_slot(kind, cols, e));
+    let per_row = cols / BLOCK;
+    let quads = per_row / 4;
+    let grouped = if order == I16Order::Groups {
+        per_row / 16 * 16
+    } else {
+        0
+    };
+    let in_run: [usize; BLOCK] = std::array::from_fn(|e| i16_slot(kind, cols, I16Order::Quads, e));
     let single: [usize; BLOCK] = std::array::from_fn(|e| block_slot(kind, e) - block_slot(kind, 0));
     let runs = [BlockRuns::from_rel(&in_run), BlockRuns::from_rel(&single)];
-    let per_row = cols / BLOCK;
     for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
         let (row, bi) = (b / per_row, b % per_row);
-        let base = row * cols + i16_slot(kind, cols, bi * BLOCK);
-        let r = &runs[usize::from(bi >= quads * 4)];
-        #[cfg(target_arch = "x86_64")]
-        if isa.has_avx512() {
-            // SAFETY: `Isa::Avx512` / `Avx512Bw` mean AVX-512 F/BW/VL were detected; `xb` is one block
-            // and both runs of 16 slots from `base` lie inside `out.hi` / `out.lo` (the
-            // block's own slots).
-            let (d, dsum) = unsafe {
-                x86_avx512::quantize_block_i16(xb, extra, r, base, &mut out.hi, &mut out.lo)
-            };
-            out.d[b] = d;
-            out.dsums[b] = dsum;
+        if bi < grouped {
+            // A block of a transposed group: quantized in its single-block order (evens, then
+            // odds: eight 4-value lanes), whose lane `j` then goes to vector `2 (j % 4) + j / 4`
+            // of the group at the block's lane.
+            let (mut h, mut l) = ([0i8; BLOCK], [0i8; BLOCK]);
+            (out.d[b], out.dsums[b]) = quantize_block(isa, xb, extra, &runs[1], 0, &mut h, &mut l);
+            let group = row * cols + bi / 16 * 16 * BLOCK;
+            let lane = 4 * group_lane(bi % 16);
+            for j in 0..8 {
+                let at = group + (2 * (j % 4) + j / 4) * 64 + lane;
+                out.hi[at..at + 4].copy_from_slice(&h[4 * j..4 * j + 4]);
+                out.lo[at..at + 4].copy_from_slice(&l[4 * j..4 * j + 4]);
+            }
             continue;
         }
-        #[cfg(target_arch = "x86_64")]
-        if isa.has_avx2() {
-            // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; `xb` is one block and
-            // both runs of 16 slots from `base` lie inside `out.hi` / `out.lo`.
-            let quantized =
-                unsafe { x86::quantize_block_i16(xb, extra, r, base, &mut out.hi, &mut out.lo) };
-            if let Some((d, dsum)) = quantized {
-                out.d[b] = d;
-                out.dsums[b] = dsum;
-                continue;
-            }
-        }
-        let _ = isa;
-        let s = block_amax(xb) / 127.0;
-        let (inv, inv_lo) = i16_inverses(s);
-        let mut h = [0f32; BLOCK];
-        let mut l = [0f32; BLOCK];
-        for ((h, l), &v) in h.iter_mut().zip(&mut l).zip(xb) {
-            *h = round_small(v * inv).clamp(-127.0, 127.0);
-            // |v - h*s| <= s/2, so the remainder is within +-128 steps of s/256 (clamped).
-            *l = round_small((v - *h * s) * inv_lo).clamp(-127.0, 127.0);
-        }
-        let mut sum = 0i32;
-        for (k, &e) in r.src.iter().enumerate() {
-            let slot = base + if k < 16 { k } else { r.run_b + k - 16 };
-            // `as` saturates NaN to 0: a NaN input gives a zero code, not UB.
-            let (hq, lq) = (h[e as usize] as i8, l[e as usize] as i8);
-            out.hi[slot] = hq;
-            out.lo[slot] = lq;
-            sum += 256 * hq as i32 + lq as i32;
-        }
-        (out.d[b], out.dsums[b]) = i16_block_scales(s, extra, sum);
+        let base = row * cols + i16_slot(kind, cols, I16Order::Quads, bi * BLOCK);
+        let r = &runs[usize::from(bi >= quads * 4)];
+        (out.d[b], out.dsums[b]) =
+            quantize_block(isa, xb, extra, r, base, &mut out.hi, &mut out.lo);
     }
     out
+}
+
+/// One 32-block of [`quantize_inputs_i16`] written to its two runs of 16 slots from `base`
+/// (`runs`), by the SIMD block writer `isa` has or the portable loop (the same bytes);
+/// returns `(d, dsum)`.
+fn quantize_block(
+    isa: Isa,
+    xb: &[f32],
+    extra: f32,
+    r: &BlockRuns,
+    base: usize,
+    hi: &mut [i8],
+    lo: &mut [i8],
+) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx512() {
+        // SAFETY: `Isa::Avx512` / `Avx512Bw` mean AVX-512 F/BW/VL were detected (`isa` is
+        // available); `xb` is one block and both runs of 16 slots from `base` lie inside `hi`
+        // / `lo` (the block's own slots).
+        return unsafe { x86_avx512::quantize_block_i16(xb, extra, r, base, hi, lo) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() {
+        // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; `xb` is one block and
+        // both runs of 16 slots from `base` lie inside `hi` / `lo`.
+        if let Some(q) = unsafe { x86::quantize_block_i16(xb, extra, r, base, hi, lo) } {
+            return q;
+        }
+    }
+    let _ = isa;
+    let s = block_amax(xb) / 127.0;
+    let (inv, inv_lo) = i16_inverses(s);
+    let mut h = [0f32; BLOCK];
+    let mut l = [0f32; BLOCK];
+    for ((h, l), &v) in h.iter_mut().zip(&mut l).zip(xb) {
+        *h = round_small(v * inv).clamp(-127.0, 127.0);
+        // |v - h*s| <= s/2, so the remainder is within +-128 steps of s/256 (clamped).
+        *l = round_small((v - *h * s) * inv_lo).clamp(-127.0, 127.0);
+    }
+    let mut sum = 0i32;
+    for (k, &e) in r.src.iter().enumerate() {
+        let slot = base + if k < 16 { k } else { r.run_b + k - 16 };
+        // `as` saturates NaN to 0: a NaN input gives a zero code, not UB.
+        let (hq, lq) = (h[e as usize] as i8, l[e as usize] as i8);
+        hi[slot] = hq;
+        lo[slot] = lq;
+        sum += 256 * hq as i32 + lq as i32;
+    }
+    i16_block_scales(s, extra, sum)
 }
 
 /// `x [n, cols]` as 8-bit blocks held in the 16-bit layout ([`Act::I8`] on AVX-512): the
@@ -122,7 +151,8 @@ pub fn quantize_inputs_i8_planes(
             .enumerate()
     {
         for e in 0..cols {
-            sums[row * per_row + e / BLOCK] += 256 * i32::from(hi[i16_slot(kind, cols, e)]);
+            sums[row * per_row + e / BLOCK] +=
+                256 * i32::from(hi[i16_slot(kind, cols, q.order, e)]);
         }
         lo.fill(0);
     }
@@ -176,7 +206,7 @@ mod tests {
     #[test]
     fn i8_planes_are_the_int8_quantization() {
         for kind in INTEGER_KINDS {
-            for cols in [32, 160, 288] {
+            for cols in [32, 160, 288, 544] {
                 let n = 3;
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 13 == 0 { 9.0 } else { 0.1 })
@@ -193,7 +223,8 @@ mod tests {
                         assert_eq!(p.d[i] * 256.0, d[i], "{kind:?} cols={cols} block {i}");
                         let mut sum = 0i32;
                         for e in 0..BLOCK {
-                            let hi = p.hi[row * cols + i16_slot(kind, cols, b * BLOCK + e)];
+                            let hi =
+                                p.hi[row * cols + i16_slot(kind, cols, p.order, b * BLOCK + e)];
                             let want = q[row * cols + b * BLOCK + block_slot(kind, e)];
                             assert_eq!(hi, want, "{kind:?} cols={cols} row {row} block {b} e {e}");
                             sum += 256 * i32::from(hi);
@@ -210,7 +241,7 @@ mod tests {
     #[test]
     fn i16_quantizers_agree() {
         for kind in INTEGER_KINDS {
-            for cols in [32, 96, 128, 160, 288] {
+            for cols in [32, 96, 128, 160, 288, 512, 608] {
                 let n = 4;
                 let mut x: Vec<f32> = (0..n * cols)
                     .map(|i| ((i * 7919 % 2003) as f32 - 1001.0) * 0.013)
@@ -237,8 +268,21 @@ mod tests {
                         continue;
                     }
                     let got = quantize_inputs_i16(isa, kind, &x, cols);
-                    assert_eq!(got.hi, want.hi, "{isa:?} {kind:?} {cols}: hi");
-                    assert_eq!(got.lo, want.lo, "{isa:?} {kind:?} {cols}: lo");
+                    assert_eq!(got.order, I16Order::for_kind(kind, isa.has_avx512()));
+                    // Element by element, each in its own order.
+                    let planes = |q: &I16Inputs| {
+                        (0..n * cols)
+                            .map(|i| {
+                                let at = i / cols * cols + i16_slot(kind, cols, q.order, i % cols);
+                                (q.hi[at], q.lo[at])
+                            })
+                            .collect::<Vec<_>>()
+                    };
+                    assert_eq!(
+                        planes(&got),
+                        planes(&want),
+                        "{isa:?} {kind:?} {cols}: codes"
+                    );
                     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&got.d), bits(&want.d), "{isa:?} {kind:?} {cols}: d");
                     assert_eq!(
@@ -256,29 +300,49 @@ mod tests {
     #[test]
     fn i16_inputs_rebuild_the_values() {
         for kind in INTEGER_KINDS {
-            for cols in [32, 64, 128, 160, 224, 288] {
+            for cols in [32, 64, 128, 160, 224, 288, 512, 544, 1056] {
                 let n = 3;
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| ((i * 37 % 101) as f32 - 50.0) * if i % 9 == 0 { 10.0 } else { 0.1 })
                     .collect();
-                let q = quantize_inputs_i16(Isa::Scalar, kind, &x, cols);
-                let extra = if matches!(kind, WeightFormat::Mxfp4 { .. }) {
-                    0.5
-                } else {
-                    1.0
-                };
-                for t in 0..n {
-                    for i in 0..cols {
-                        let b = (t * cols + i) / BLOCK;
-                        let slot = t * cols + i16_slot(kind, cols, i);
-                        let v = (256.0 * q.hi[slot] as f32 + q.lo[slot] as f32) * q.d[b] / extra;
-                        let step = q.d[b] / extra;
-                        let want = x[t * cols + i];
-                        assert!(
-                            (v - want).abs() <= step + want.abs() * 1e-6,
-                            "{kind:?} cols {cols} t {t} i {i}: {v} vs {want}"
-                        );
+                for isa in [Isa::Scalar, Isa::best()] {
+                    let q = quantize_inputs_i16(isa, kind, &x, cols);
+                    let extra = if matches!(kind, WeightFormat::Mxfp4 { .. }) {
+                        0.5
+                    } else {
+                        1.0
+                    };
+                    for t in 0..n {
+                        for i in 0..cols {
+                            let b = (t * cols + i) / BLOCK;
+                            let slot = t * cols + i16_slot(kind, cols, q.order, i);
+                            let v =
+                                (256.0 * q.hi[slot] as f32 + q.lo[slot] as f32) * q.d[b] / extra;
+                            let step = q.d[b] / extra;
+                            let want = x[t * cols + i];
+                            assert!(
+                                (v - want).abs() <= step + want.abs() * 1e-6,
+                                "{isa:?} {kind:?} cols {cols} t {t} i {i}: {v} vs {want}"
+                            );
+                        }
                     }
+                }
+            }
+        }
+    }
+
+    /// [`I16Order::Groups`] puts every element of a row in its own slot.
+    #[test]
+    fn group_order_is_a_permutation() {
+        for kind in INTEGER_KINDS {
+            for cols in [512, 544, 1024, 1120] {
+                let mut seen = vec![false; cols];
+                for i in 0..cols {
+                    let at = i16_slot(kind, cols, I16Order::Groups, i);
+                    assert!(
+                        !std::mem::replace(&mut seen[at], true),
+                        "{kind:?} {cols}: {i}"
+                    );
                 }
             }
         }

@@ -263,7 +263,7 @@ pub fn row_i16(
         for (t, o) in out[..n].iter_mut().enumerate() {
             let mut s = 0i32;
             for c in b * BLOCK..(b + 1) * BLOCK {
-                let at = t * cols + crate::kernels::inputs::i16_slot(kind, cols, c);
+                let at = t * cols + crate::kernels::inputs::i16_slot(kind, cols, x.order, c);
                 s += code_at(kind, row, c) * (256 * x.hi[at] as i32 + x.lo[at] as i32);
             }
             *o += s as f32 * sw * x.d[t * blocks + b];

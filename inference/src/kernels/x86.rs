@@ -860,6 +860,12 @@ pub unsafe fn row_i16(
     debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols && out.len() >= n);
     debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks);
     debug_assert!(scales.len() >= blocks);
+    // Inputs quantized for the AVX-512 tiles would give wrong sums here, not an error.
+    assert_eq!(
+        x.order,
+        crate::kernels::inputs::I16Order::Quads,
+        "AVX2 16-bit kernel given inputs in another order"
+    );
     let mut t = 0;
     while t < n {
         let k = (n - t).min(4);

@@ -22,7 +22,7 @@ use std::arch::x86_64::*;
 use crate::kernels::scalar::MXFP4_X2;
 use deltafin_formats::{ScaleType, WeightFormat};
 
-use crate::kernels::inputs::I16Inputs;
+use crate::kernels::inputs::{I16Inputs, I16Order};
 use crate::kernels::shape::{KernelShape, BLOCK};
 
 /// Whether [`row_f32`] / [`rows4_f32`] take `kind` (the others run the AVX2 kernels).
@@ -490,6 +490,18 @@ trait Codes {
         let _ = (p, b);
         unreachable!("quad decode is for the 4-bit formats")
     }
+    /// Whether [`Codes::group`] applies: the inputs are in [`I16Order::Groups`].
+    const GROUPS: bool = false;
+    /// Blocks `g..g + 16` as eight zmm in the [`I16Order::Groups`] order: vector `2u + p`
+    /// holds, in 32-bit lane `group_lane(j)`, the codes of elements `8u + p + 2k` (`k` in
+    /// 0..4) of block `g + j`.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW available; blocks `g..g + 16` lie inside the row at `p`.
+    unsafe fn group(p: *const u8, g: usize) -> [__m512i; 8] {
+        let _ = (p, g);
+        unreachable!("group decode is for the 4-bit formats")
+    }
     /// # Safety
     /// AVX-512 F/BW available; blocks `b` and `b + 1` lie inside the row at `p`.
     unsafe fn two(p: *const u8, b: usize) -> __m512i;
@@ -529,11 +541,63 @@ fn nibbles_quad(v: __m512i) -> (__m512i, __m512i) {
     )
 }
 
+/// A group's 256 packed bytes (16 blocks of 16) transposed in 32-bit lanes: vector `u` holds
+/// bytes `4u..4u + 4` of every block, block `j` in lane `group_lane(j)` (the four loads
+/// are blocks `4m..4m + 4`, one per 128-bit lane; a 4x4 transpose inside each 128-bit lane).
+///
+/// # Safety
+/// AVX-512 F available; the 256 bytes at `p` are readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn transposed_group(p: *const u8) -> [__m512i; 4] {
+    // SAFETY: the caller guarantees the 256 bytes.
+    let w: [__m512i; 4] =
+        std::array::from_fn(|m| unsafe { _mm512_loadu_si512(p.add(64 * m) as *const __m512i) });
+    let a0 = _mm512_unpacklo_epi32(w[0], w[1]);
+    let a1 = _mm512_unpackhi_epi32(w[0], w[1]);
+    let a2 = _mm512_unpacklo_epi32(w[2], w[3]);
+    let a3 = _mm512_unpackhi_epi32(w[2], w[3]);
+    [
+        _mm512_unpacklo_epi64(a0, a2),
+        _mm512_unpackhi_epi64(a0, a2),
+        _mm512_unpacklo_epi64(a1, a3),
+        _mm512_unpackhi_epi64(a1, a3),
+    ]
+}
+
+/// [`transposed_group`]'s four vectors split into `[low nibbles, high nibbles]` each: the
+/// eight vectors of [`Codes::group`] for the nibble formats.
+///
+/// # Safety
+/// As for [`transposed_group`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[inline]
+unsafe fn nibbles_group(p: *const u8) -> [__m512i; 8] {
+    // SAFETY: the caller's contract.
+    let t = unsafe { transposed_group(p) };
+    let m = _mm512_set1_epi8(0x0f);
+    std::array::from_fn(|v| {
+        let x = t[v / 2];
+        if v % 2 == 0 {
+            _mm512_and_si512(x, m)
+        } else {
+            _mm512_and_si512(_mm512_srli_epi16(x, 4), m)
+        }
+    })
+}
+
 struct Int4Codes;
 impl Codes for Int4Codes {
     const OFFSET: i32 = 8;
     const BLOCK_BYTES: usize = 16;
     const QUAD: bool = true;
+    const GROUPS: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn group(p: *const u8, g: usize) -> [__m512i; 8] {
+        // SAFETY: the caller guarantees the 256 bytes of blocks g..g+16 are inside the row.
+        unsafe { nibbles_group(p.add(g * 16)) }
+    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn quad(p: *const u8, b: usize) -> (__m512i, __m512i) {
@@ -564,6 +628,17 @@ impl Codes for Mxfp4Codes {
     const OFFSET: i32 = 12;
     const BLOCK_BYTES: usize = 16;
     const QUAD: bool = true;
+    const GROUPS: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn group(p: *const u8, g: usize) -> [__m512i; 8] {
+        // SAFETY: the table is 16 bytes; the caller guarantees blocks g..g+16 are in the row.
+        unsafe {
+            let lut =
+                _mm512_broadcast_i32x4(_mm_loadu_si128(mxfp4_table().as_ptr() as *const __m128i));
+            nibbles_group(p.add(g * 16)).map(|v| _mm512_shuffle_epi8(lut, v))
+        }
+    }
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn quad(p: *const u8, b: usize) -> (__m512i, __m512i) {
@@ -1018,12 +1093,111 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
             }
         }};
     }
+    // [`I16Order::Groups`]: one 32-bit lane per block, so each block's integer sum is whole
+    // after the group's eight vectors and is scaled once (lanes in `group_lane` order: the
+    // scales are permuted to match).
+    let sigma = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    macro_rules! group16_step {
+        ($g:expr) => {{
+            let g = $g;
+            // SAFETY: `g + 16 <= blocks`: 16 scales of each row and `d` / `dsums`
+            // `[t * blocks + g ..][..16]`, the decode reads blocks g..g+16 of each row, the
+            // input loads `[t*cols + 32g ..][..512]` of each plane, `t < N`.
+            unsafe {
+                let dp: [__m512; N] = std::array::from_fn(|t| {
+                    _mm512_permutexvar_ps(sigma, _mm512_loadu_ps(d.as_ptr().add(t * blocks + g)))
+                });
+                for r in 0..R {
+                    _mm_prefetch::<_MM_HINT_T1>(scales.addr(r, g + R * blocks));
+                    for line in (0..16 * C::BLOCK_BYTES).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T1>(
+                            p[r].wrapping_add(g * C::BLOCK_BYTES + line + ahead) as *const i8,
+                        );
+                    }
+                }
+                let wp: [__m512; R] = std::array::from_fn(|r| {
+                    let w = scales.load16(r, g);
+                    for t in 0..N {
+                        let ds = _mm512_loadu_ps(dsums.as_ptr().add(t * blocks + g));
+                        cacc[r][t] = _mm512_fmadd_ps(w, ds, cacc[r][t]);
+                    }
+                    _mm512_permutexvar_ps(sigma, w)
+                });
+                // `256 * hi + lo` of each lane: the block's exact integer sum (without a low
+                // plane `256 * hi`, the same value), so the order of the products is free.
+                let whole = |sh: __m512i, sl: __m512i| {
+                    let sh = _mm512_slli_epi32(sh, 8);
+                    if LO {
+                        _mm512_add_epi32(sh, sl)
+                    } else {
+                        sh
+                    }
+                };
+                let zero = _mm512_setzero_si512();
+                if R == 1 || N == 1 {
+                    // Row by row (one input, or one row): one row's eight code vectors live.
+                    for r in 0..R {
+                        let codes = C::group(p[r], g);
+                        for t in 0..N {
+                            let o = t * cols + g * BLOCK;
+                            // Two chains per plane: eight dependent `vpdpbusd` would bound
+                            // the tile by their latency.
+                            let (mut sh, mut sl) = ([zero; 2], [zero; 2]);
+                            for (v, &c) in codes.iter().enumerate() {
+                                let xh = _mm512_loadu_si512(hp.add(o + 64 * v) as *const __m512i);
+                                sh[v % 2] = <$dot>::dp::<C>(sh[v % 2], c, xh);
+                                if LO {
+                                    let xl =
+                                        _mm512_loadu_si512(lp.add(o + 64 * v) as *const __m512i);
+                                    sl[v % 2] = <$dot>::dp::<C>(sl[v % 2], c, xl);
+                                }
+                            }
+                            let s = whole(
+                                _mm512_add_epi32(sh[0], sh[1]),
+                                _mm512_add_epi32(sl[0], sl[1]),
+                            );
+                            let wd = _mm512_mul_ps(wp[r], dp[t]);
+                            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), wd, acc[r][t]);
+                        }
+                    }
+                } else {
+                    // Input by input, each input vector loaded once for all rows.
+                    let codes: [[__m512i; 8]; R] = std::array::from_fn(|r| C::group(p[r], g));
+                    for t in 0..N {
+                        let o = t * cols + g * BLOCK;
+                        let (mut sh, mut sl) = ([zero; R], [zero; R]);
+                        for v in 0..8 {
+                            let xh = _mm512_loadu_si512(hp.add(o + 64 * v) as *const __m512i);
+                            for r in 0..R {
+                                sh[r] = <$dot>::dp::<C>(sh[r], codes[r][v], xh);
+                            }
+                            if LO {
+                                let xl = _mm512_loadu_si512(lp.add(o + 64 * v) as *const __m512i);
+                                for r in 0..R {
+                                    sl[r] = <$dot>::dp::<C>(sl[r], codes[r][v], xl);
+                                }
+                            }
+                        }
+                        for r in 0..R {
+                            let s = whole(sh[r], sl[r]);
+                            let wd = _mm512_mul_ps(wp[r], dp[t]);
+                            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), wd, acc[r][t]);
+                        }
+                    }
+                }
+            }
+        }};
+    }
     let full = blocks / 16 * 16;
     let mut g = 0;
     while g < full {
-        group!(g, 16);
-        for q in 0..4 {
-            quad_step!(g + 4 * q, q);
+        if C::GROUPS {
+            group16_step!(g);
+        } else {
+            group!(g, 16);
+            for q in 0..4 {
+                quad_step!(g + 4 * q, q);
+            }
         }
         g += 16;
     }
@@ -1086,6 +1260,8 @@ i16_tile_fn!(i16_tile_bw, "avx512f,avx512bw,avx512vl,avx2,fma", Bw);
 /// Inputs `t..t + k` of an [`I16Inputs`].
 #[derive(Clone, Copy)]
 struct I16Slices<'a> {
+    /// The inputs' element order.
+    order: I16Order,
     /// The low plane is all zeros ([`I16Inputs::hi_only`]): the tiles skip it.
     hi_only: bool,
     hi: &'a [i8],
@@ -1098,6 +1274,7 @@ impl<'a> I16Slices<'a> {
     fn of(x: &'a I16Inputs, t: usize, k: usize, cols: usize) -> Self {
         let blocks = cols / BLOCK;
         I16Slices {
+            order: x.order,
             hi_only: x.hi_only,
             hi: &x.hi[t * cols..(t + k) * cols],
             lo: &x.lo[t * cols..(t + k) * cols],
@@ -1138,6 +1315,12 @@ unsafe fn tile_with_scales<C: Codes, const VNNI: bool, const R: usize, const N: 
     cols: usize,
     out: &mut [f32],
 ) {
+    // Inputs in the other order would give wrong sums, not an error.
+    assert_eq!(
+        x.order == I16Order::Groups,
+        C::GROUPS,
+        "16-bit tile given inputs in the wrong order"
+    );
     macro_rules! raw {
         ($t:ty) => {{
             let p: [*const u8; R] = std::array::from_fn(|r| match scales[r] {
