@@ -1240,15 +1240,64 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
             }
         }
     }
-    let off = C::OFFSET as f32;
+    // The offset correction lane by lane, then every output's 16 lanes summed at once.
+    let off = _mm512_set1_ps(C::OFFSET as f32);
+    let mut sums = [_mm512_setzero_ps(); 8];
     for r in 0..R {
         for t in 0..N {
-            out[r * N + t] =
-                _mm512_reduce_add_ps(acc[r][t]) - off * _mm512_reduce_add_ps(cacc[r][t]);
+            sums[r * N + t] = _mm512_fnmadd_ps(off, cacc[r][t], acc[r][t]);
         }
     }
+    reduce_many(&sums[..R * N], out);
 }
     };
+}
+
+/// The lane sums of up to eight vectors, `out[k] = sum(v[k])`, each summed in one fixed order
+/// whatever the others are (halves, quarters, eighths, pairs: lane `i` plus lane `i + 8`,
+/// then `i + 4`, `i + 2`, `i + 1`), so that a tile's outputs do not depend on its shape; the
+/// vectors share the shuffles: 12 shuffles and 12 adds for eight sums, where eight
+/// separate reductions take 56 instructions (the cost that showed at short rows: one 16-block
+/// group per call for the experts' down projection).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn reduce_many(v: &[__m512], out: &mut [f32]) {
+    debug_assert!(v.len() <= 8 && out.len() >= v.len());
+    let z = _mm512_setzero_ps();
+    let at = |s: &[__m512], i: usize| s.get(i).copied().unwrap_or(z);
+    // Eight lanes of each vector: 128-bit chunks `[a0 + a2, a1 + a3, b0 + b2, b1 + b3]`.
+    let l1: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (at(v, 2 * i), at(v, 2 * i + 1));
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        )
+    });
+    // Four lanes: chunk `k` of `l2[m]` is vector `4m + k`.
+    let l2: [__m512; 2] = std::array::from_fn(|m| {
+        let (a, b) = (l1[2 * m], l1[2 * m + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(a, b),
+            _mm512_shuffle_f32x4::<0xDD>(a, b),
+        )
+    });
+    // Two lanes (chunk `k`: vector `k`'s pair, then vector `4 + k`'s), then one.
+    let (p, q) = (l2[0], l2[1]);
+    let l3 = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x44>(p, q),
+        _mm512_shuffle_ps::<0xEE>(p, q),
+    );
+    let l4 = _mm512_add_ps(
+        _mm512_shuffle_ps::<0x88>(l3, z),
+        _mm512_shuffle_ps::<0xDD>(l3, z),
+    );
+    let mut lanes = [0f32; 16];
+    // SAFETY: `lanes` holds 16 floats.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), l4) };
+    // Chunk `k` now holds `[sum v[k], sum v[4 + k], 0, 0]`.
+    for (k, o) in out[..v.len()].iter_mut().enumerate() {
+        *o = lanes[4 * (k % 4) + k / 4];
+    }
 }
 i16_tile_fn!(
     i16_tile_vnni,
