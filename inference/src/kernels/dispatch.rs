@@ -102,7 +102,7 @@ fn row_dot(
             if simd && isa.has_avx2() {
                 // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; the slices are
                 // as for the AVX-512 kernel above.
-                unsafe { x86::row_i16(isa == Isa::AvxVnni, kind, row, scales, x, cols, n, out) };
+                unsafe { x86::row_i16(isa == Isa::AvxVnni, kind, row, scales, x, 0, cols, n, out) };
                 return;
             }
             scalar::row_i16(kind, row, scales, x, cols, n, out)
@@ -484,6 +484,54 @@ pub(crate) fn rows_task(
                 scales_of(s0, nr, &mut scales);
                 per_row = scales.len() / (nr - s0).max(1);
             }
+        }
+    }
+    // Matrix products on AVX2 without AVX-512: the one-row kernels over the inputs in chunks
+    // that stay in L1, every row of the task once per chunk (from L2), as the AVX-512 pair
+    // tiles do; without chunks each row streamed all `n` inputs from L2. An output is the same
+    // sum whichever chunk its input is in.
+    #[cfg(target_arch = "x86_64")]
+    if n > 1 && isa.has_avx2() && !isa.has_avx512() && kind.simd_shape(cols) {
+        let blocks = cols / BLOCK;
+        let per_input = match xin {
+            Inputs::F32(_) => Some(4 * cols),
+            Inputs::I8 { .. } => Some(cols + 4 * blocks),
+            Inputs::I16(_) => Some(2 * cols + 8 * blocks),
+            Inputs::Bf16(_) => None,
+        };
+        let chunk = per_input.map_or(n, l1_input_chunk);
+        if chunk < n {
+            for t0 in (0..n).step_by(chunk) {
+                let nn = chunk.min(n - t0);
+                let (xa, xb) = (t0 * cols, (t0 + nn) * cols);
+                for i in first..nr {
+                    let r = r0 + i;
+                    let row = &data[r * rb..(r + 1) * rb];
+                    let sc = &scales[(i - s0) * per_row..(i - s0 + 1) * per_row];
+                    let out = &mut o[i * n + t0..i * n + t0 + nn];
+                    match xin {
+                        // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected;
+                        // `simd_shape` holds; the row is `row_bytes(cols)` long with its
+                        // scales, the input slice holds `nn` inputs and `out` `nn` outputs.
+                        Inputs::F32(xf) => unsafe {
+                            x86::row_f32(kind, row, sc, &xf[xa..xb], cols, nn, out)
+                        },
+                        // SAFETY: as above; `q` holds `nn * cols` codes and `d` their
+                        // `nn * cols / 32` scales (integer formats only reach `Inputs::I8`).
+                        Inputs::I8 { q, d } => unsafe {
+                            let ds = &d[t0 * blocks..(t0 + nn) * blocks];
+                            x86::row_i8(kind, row, sc, &q[xa..xb], ds, cols, nn, out)
+                        },
+                        // SAFETY: as above; `xq` holds `n >= t0 + nn` inputs (AVX-VNNI
+                        // only for `Isa::AvxVnni`).
+                        Inputs::I16(xq) => unsafe {
+                            x86::row_i16(isa == Isa::AvxVnni, kind, row, sc, xq, t0, cols, nn, out)
+                        },
+                        Inputs::Bf16(_) => unreachable!("no chunk for BF16 activations"),
+                    }
+                }
+            }
+            first = nr;
         }
     }
     for (i, orow) in o.chunks_mut(n).enumerate().skip(first) {

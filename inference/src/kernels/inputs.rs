@@ -5,6 +5,7 @@
 
 use deltafin_formats::WeightFormat;
 
+use crate::kernels::isa::Isa;
 use crate::kernels::shape::BLOCK;
 
 /// Inputs prepared once per call.
@@ -28,7 +29,8 @@ pub enum Inputs<'x> {
 /// every block in block order: for the 4-bit formats the evens then the odds (the order one
 /// 64-byte load of nibbles splits into), for Q8 the first 16 then the last 16 of each block.
 /// Blocks after the last whole run are stored one by one (4-bit: evens then odds; Q8: natural
-/// order). [`I16Order::Groups`] stores whole groups of 16 blocks transposed first.
+/// order). [`I16Order::Groups`] stores whole groups of 16 blocks transposed first,
+/// [`I16Order::Groups8`] groups of 8.
 #[derive(Debug, Default)]
 pub struct I16Inputs {
     /// Which element order `hi` / `lo` are in.
@@ -75,17 +77,51 @@ pub enum I16Order {
     /// scales each block once, not once per quarter. The blocks after the last whole group
     /// as in [`I16Order::Quads`].
     Groups,
+    /// The 4-bit formats on AVX2: as [`I16Order::Groups`] for groups of 8 blocks `8g..8g + 8`
+    /// (256 values) in eight 32-byte vectors, block `j` in 32-bit lane [`group8_lane`]`(j)`:
+    /// the order a 4x4 transpose inside each 128-bit half of the group's four 32-byte loads
+    /// gives. The blocks after the last whole group as in [`I16Order::Quads`].
+    Groups8,
 }
 
 impl I16Order {
-    /// The order the AVX-512 tiles (`avx512`) or every other kernel take for `kind`.
-    pub fn for_kind(kind: WeightFormat, avx512: bool) -> Self {
-        if avx512 && matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. }) {
+    /// The order the kernels of `isa` take for `kind`: the 4-bit formats transposed by groups
+    /// on AVX-512 ([`I16Order::Groups`]) and AVX2 ([`I16Order::Groups8`]), else
+    /// [`I16Order::Quads`].
+    pub fn for_kind(kind: WeightFormat, isa: Isa) -> Self {
+        if !matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. }) {
+            I16Order::Quads
+        } else if isa.has_avx512() {
             I16Order::Groups
+        } else if isa_has_avx2(isa) {
+            I16Order::Groups8
         } else {
             I16Order::Quads
         }
     }
+
+    /// Blocks per transposed group, the bytes of one of its eight vectors, and the 32-bit lane
+    /// of the group's block `j`; `None` for [`I16Order::Quads`].
+    pub(crate) fn group_shape(self) -> Option<GroupShape> {
+        match self {
+            I16Order::Quads => None,
+            I16Order::Groups => Some((16, 64, group_lane)),
+            I16Order::Groups8 => Some((8, 32, group8_lane)),
+        }
+    }
+}
+
+/// Blocks per group, bytes per vector, and the lane of a group's block ([`I16Order::group_shape`]).
+pub(crate) type GroupShape = (usize, usize, fn(usize) -> usize);
+
+#[cfg(target_arch = "x86_64")]
+fn isa_has_avx2(isa: Isa) -> bool {
+    isa.has_avx2()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn isa_has_avx2(_: Isa) -> bool {
+    false
 }
 
 /// The 32-bit lane that block `j` (0..16) of a group takes in [`I16Order::Groups`]: lane
@@ -94,14 +130,21 @@ pub(crate) const fn group_lane(j: usize) -> usize {
     4 * (j % 4) + j / 4
 }
 
+/// The 32-bit lane that block `j` (0..8) of a group takes in [`I16Order::Groups8`]: the two
+/// 128-bit halves hold the even blocks then the odd ones.
+pub(crate) const fn group8_lane(j: usize) -> usize {
+    4 * (j % 2) + j / 2
+}
+
 /// Position of element `i` (of a row of `cols`) in the [`I16Inputs`] order `order` for `kind`.
 pub fn i16_slot(kind: WeightFormat, cols: usize, order: I16Order, i: usize) -> usize {
     let (b, e) = (i / BLOCK, i % BLOCK);
     let quads = cols / BLOCK / 4;
-    let groups = cols / BLOCK / 16;
-    if order == I16Order::Groups && b < groups * 16 {
-        let (u, p, k) = (e / 8, e % 2, (e % 8) / 2);
-        return (b / 16) * 16 * BLOCK + (2 * u + p) * 64 + group_lane(b % 16) * 4 + k;
+    if let Some((size, vbytes, lane)) = order.group_shape() {
+        if b < cols / BLOCK / size * size {
+            let (u, p, k) = (e / 8, e % 2, (e % 8) / 2);
+            return (b / size) * size * BLOCK + (2 * u + p) * vbytes + lane(b % size) * 4 + k;
+        }
     }
     match kind {
         WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. } if b < quads * 4 => {

@@ -4,8 +4,8 @@
 use deltafin_formats::WeightFormat;
 
 use crate::kernels::inputs::{
-    block_amax, block_slot, group_lane, i16_block_scales, i16_inverses, i16_slot, round_small,
-    BlockRuns, I16Inputs, I16Order, Inputs,
+    block_amax, block_slot, i16_block_scales, i16_inverses, i16_slot, round_small, BlockRuns,
+    I16Inputs, I16Order, Inputs,
 };
 use crate::kernels::isa::Isa;
 use crate::kernels::shape::BLOCK;
@@ -27,7 +27,7 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     );
     let isa = if isa.available() { isa } else { Isa::Scalar };
     let blocks = x.len() / BLOCK;
-    let order = I16Order::for_kind(kind, isa.has_avx512());
+    let order = I16Order::for_kind(kind, isa);
     let mut out = I16Inputs {
         order,
         hi: vec![0; x.len()],
@@ -45,8 +45,9 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     // every block of a run of four (and for every block after the runs).
     let per_row = cols / BLOCK;
     let quads = per_row / 4;
-    let grouped = if order == I16Order::Groups {
-        per_row / 16 * 16
+    let (gsize, vbytes, lane_of) = order.group_shape().unwrap_or((1, 0, |_| 0));
+    let grouped = if order.group_shape().is_some() {
+        per_row / gsize * gsize
     } else {
         0
     };
@@ -61,10 +62,10 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
             // of the group at the block's lane.
             let (mut h, mut l) = ([0i8; BLOCK], [0i8; BLOCK]);
             (out.d[b], out.dsums[b]) = quantize_block(isa, xb, extra, &runs[1], 0, &mut h, &mut l);
-            let group = row * cols + bi / 16 * 16 * BLOCK;
-            let lane = 4 * group_lane(bi % 16);
+            let group = row * cols + bi / gsize * gsize * BLOCK;
+            let lane = 4 * lane_of(bi % gsize);
             for j in 0..8 {
-                let at = group + (2 * (j % 4) + j / 4) * 64 + lane;
+                let at = group + (2 * (j % 4) + j / 4) * vbytes + lane;
                 out.hi[at..at + 4].copy_from_slice(&h[4 * j..4 * j + 4]);
                 out.lo[at..at + 4].copy_from_slice(&l[4 * j..4 * j + 4]);
             }
@@ -268,7 +269,7 @@ mod tests {
                         continue;
                     }
                     let got = quantize_inputs_i16(isa, kind, &x, cols);
-                    assert_eq!(got.order, I16Order::for_kind(kind, isa.has_avx512()));
+                    assert_eq!(got.order, I16Order::for_kind(kind, isa));
                     // Element by element, each in its own order.
                     let planes = |q: &I16Inputs| {
                         (0..n * cols)
@@ -331,18 +332,21 @@ mod tests {
         }
     }
 
-    /// [`I16Order::Groups`] puts every element of a row in its own slot.
+    /// [`I16Order::Groups`] and [`I16Order::Groups8`] put every element of a row in its own
+    /// slot.
     #[test]
     fn group_order_is_a_permutation() {
-        for kind in INTEGER_KINDS {
-            for cols in [512, 544, 1024, 1120] {
-                let mut seen = vec![false; cols];
-                for i in 0..cols {
-                    let at = i16_slot(kind, cols, I16Order::Groups, i);
-                    assert!(
-                        !std::mem::replace(&mut seen[at], true),
-                        "{kind:?} {cols}: {i}"
-                    );
+        for order in [I16Order::Groups, I16Order::Groups8] {
+            for kind in INTEGER_KINDS {
+                for cols in [256, 288, 512, 544, 1024, 1120] {
+                    let mut seen = vec![false; cols];
+                    for i in 0..cols {
+                        let at = i16_slot(kind, cols, order, i);
+                        assert!(
+                            !std::mem::replace(&mut seen[at], true),
+                            "{order:?} {kind:?} {cols}: {i}"
+                        );
+                    }
                 }
             }
         }

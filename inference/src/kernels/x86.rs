@@ -494,6 +494,21 @@ pub unsafe fn row_i8(
 trait PairCodes {
     /// What was added to every code to make it unsigned (0: codes stay signed, Q8).
     const OFFSET: i32;
+    /// Whether whole groups of 8 blocks come in [`I16Order::Groups8`] ([`PairCodes::group8`]).
+    ///
+    /// [`I16Order::Groups8`]: crate::kernels::inputs::I16Order::Groups8
+    const GROUPED: bool = false;
+    /// Blocks `g..g + 8` as eight code vectors in the [`I16Order::Groups8`] order: vector
+    /// `2u + p` holds, in 32-bit lane `group8_lane(j)`, the codes of block `j`'s elements
+    /// `8u + p + 2k` (`k` in 0..4). Only called when [`PairCodes::GROUPED`].
+    ///
+    /// # Safety
+    /// AVX2 available; blocks `g..g + 8` inside the row at `p`.
+    ///
+    /// [`I16Order::Groups8`]: crate::kernels::inputs::I16Order::Groups8
+    unsafe fn group8(_p: *const u8, _g: usize) -> [__m256i; 8] {
+        unreachable!("group8 is only called for 4-bit codes")
+    }
     /// Blocks `b`, `b + 1` inside a run of four: the parts matching the input's two halves
     /// (4-bit: evens, odds; Q8: first 16, last 16 of each block), 16 bytes per block each.
     ///
@@ -522,6 +537,41 @@ fn nibbles32(v: __m256i, lut: Option<__m256i>) -> (__m256i, __m256i) {
     }
 }
 
+/// The 128 packed bytes of blocks `g..g + 8` (16 each) as four vectors of one 4-byte word of
+/// every block: vector `u` holds bytes `4u..4u + 4` of block `j` in 32-bit lane
+/// `4 (j % 2) + j / 2` (a 4x4 transpose of 32-bit words inside each 128-bit half of the four
+/// loads, whose halves hold the even and the odd blocks).
+///
+/// # Safety
+/// AVX2 available; the 128 bytes from `p + 16 g` readable.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn transposed_words8(p: *const u8, g: usize) -> [__m256i; 4] {
+    let l: [__m256i; 4] = std::array::from_fn(|i| {
+        // SAFETY: `i < 4`: inside the 128 bytes the caller guarantees from `p + 16 g`.
+        unsafe { _mm256_loadu_si256(p.add(16 * g + 32 * i) as *const __m256i) }
+    });
+    let t0 = _mm256_unpacklo_epi32(l[0], l[1]);
+    let t1 = _mm256_unpackhi_epi32(l[0], l[1]);
+    let t2 = _mm256_unpacklo_epi32(l[2], l[3]);
+    let t3 = _mm256_unpackhi_epi32(l[2], l[3]);
+    [
+        _mm256_unpacklo_epi64(t0, t2),
+        _mm256_unpackhi_epi64(t0, t2),
+        _mm256_unpacklo_epi64(t1, t3),
+        _mm256_unpackhi_epi64(t1, t3),
+    ]
+}
+
+/// [`transposed_words8`] split into nibbles: vector `2u` the low nibbles of word `u`, `2u + 1`
+/// the high ones, mapped through `lut` when given.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn nibbles_group8(w: [__m256i; 4], lut: Option<__m256i>) -> [__m256i; 8] {
+    let [(a, b), (c, d), (e, f), (g, h)] = w.map(|v| nibbles32(v, lut));
+    [a, b, c, d, e, f, g, h]
+}
+
 /// MXFP4 doubled codes plus 12 (0..=24), the unsigned table of the 16-bit path.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -535,6 +585,13 @@ fn mxfp4_u_lut() -> __m256i {
 struct Int4Pairs;
 impl PairCodes for Int4Pairs {
     const OFFSET: i32 = 8;
+    const GROUPED: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group8(p: *const u8, g: usize) -> [__m256i; 8] {
+        // SAFETY: the caller guarantees blocks g..g+8 (128 bytes) are inside the row.
+        nibbles_group8(unsafe { transposed_words8(p, g) }, None)
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn pair(p: *const u8, b: usize) -> (__m256i, __m256i) {
@@ -557,6 +614,13 @@ impl PairCodes for Int4Pairs {
 struct Mxfp4Pairs;
 impl PairCodes for Mxfp4Pairs {
     const OFFSET: i32 = 12;
+    const GROUPED: bool = true;
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group8(p: *const u8, g: usize) -> [__m256i; 8] {
+        // SAFETY: as for INT4.
+        nibbles_group8(unsafe { transposed_words8(p, g) }, Some(mxfp4_u_lut()))
+    }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn pair(p: *const u8, b: usize) -> (__m256i, __m256i) {
@@ -611,11 +675,31 @@ fn code_products<C: PairCodes>(w: __m256i, x: __m256i) -> __m256i {
 }
 
 /// i32 lane sums of `256 * hi + lo` products for two code vectors against the matching input
-/// halves (lanes 0..4: the first block, 4..8: the second).
+/// halves (lanes 0..4: the first block, 4..8: the second); without `LO` the low plane is
+/// zero ([`crate::kernels::inputs::I16Inputs::hi_only`]) and not read: the same sums.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn pair_sums<C: PairCodes>(a: __m256i, b: __m256i, [ha, hb, la, lb]: [__m256i; 4]) -> __m256i {
+fn pair_sums<C: PairCodes, const LO: bool>(
+    a: __m256i,
+    b: __m256i,
+    [ha, hb, la, lb]: [__m256i; 4],
+) -> __m256i {
     let (k256, k1) = (_mm256_set1_epi16(256), _mm256_set1_epi16(1));
+    if !LO {
+        let h = if C::OFFSET == 0 {
+            _mm256_add_epi32(
+                _mm256_madd_epi16(code_products::<C>(a, ha), k1),
+                _mm256_madd_epi16(code_products::<C>(b, hb), k1),
+            )
+        } else {
+            _mm256_madd_epi16(
+                _mm256_add_epi16(code_products::<C>(a, ha), code_products::<C>(b, hb)),
+                k1,
+            )
+        };
+        // 256 * h: exact (|h| < 2^23), as the product with 256 in the `LO` form.
+        return _mm256_slli_epi32(h, 8);
+    }
     if C::OFFSET == 0 {
         // Signed products reach 32512 each: widen before adding.
         let h = _mm256_add_epi32(
@@ -635,20 +719,57 @@ fn pair_sums<C: PairCodes>(a: __m256i, b: __m256i, [ha, hb, la, lb]: [__m256i; 4
     }
 }
 
+/// i32 lane sums of one plane of a [`PairCodes::group8`] group: lane `l` the sum of its
+/// block's 32 products of the 4-bit codes `c` with the plane's 256 inputs at `x`. Four
+/// products of unsigned 4-bit codes add within i16 (at most 4 * 2 * 24 * 127).
+///
+/// # Safety
+/// AVX2 available; 256 bytes readable at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn group8_plane<C: PairCodes>(c: &[__m256i; 8], x: *const i8) -> __m256i {
+    let p = |v: usize| {
+        // SAFETY: `v < 8`: inside the 256 bytes the caller guarantees at `x`.
+        let xv = unsafe { _mm256_loadu_si256(x.add(32 * v) as *const __m256i) };
+        code_products::<C>(c[v], xv)
+    };
+    let a = _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
+    let b = _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
+    let k1 = _mm256_set1_epi16(1);
+    _mm256_add_epi32(_mm256_madd_epi16(a, k1), _mm256_madd_epi16(b, k1))
+}
+
 /// How a pair of 32-byte code vectors meets the 16-bit inputs: `vpmaddubsw` + `vpmaddwd`
 /// (AVX2) or `vpdpbusd` (AVX-VNNI: Alder Lake and later, Zen 5).
 trait Dot {
     /// `sum 256 * hi + lo` products of codes `a`, `b` with the input halves `[ha, hb, la, lb]`,
     /// per i32 lane (lanes 0..4: the first block, 4..8: the second).
+    /// Without `LO` the low halves are zero and not read.
     ///
     /// # Safety
     /// The instruction set of the implementation available.
-    unsafe fn pair<C: PairCodes>(a: __m256i, b: __m256i, x: [__m256i; 4]) -> __m256i;
+    unsafe fn pair<C: PairCodes, const LO: bool>(
+        a: __m256i,
+        b: __m256i,
+        x: [__m256i; 4],
+    ) -> __m256i;
     /// The same for one block's 32 codes `c` against its inputs `h`, `l`.
     ///
     /// # Safety
     /// As for [`Dot::pair`].
-    unsafe fn single<C: PairCodes>(c: __m256i, h: __m256i, l: __m256i) -> __m256i;
+    unsafe fn single<C: PairCodes, const LO: bool>(c: __m256i, h: __m256i, l: __m256i) -> __m256i;
+    /// A [`PairCodes::group8`] group's codes against its 256 inputs of each plane at `h`, `l`:
+    /// per 32-bit lane the `256 * hi + lo` sum of that lane's block (exact in i32: at most
+    /// 257 * 32 * 24 * 127). Without `LO` the low plane is zero and not read.
+    ///
+    /// # Safety
+    /// The instruction set of the implementation available; 256 bytes readable at `h` and,
+    /// with `LO`, at `l`.
+    unsafe fn group8<C: PairCodes, const LO: bool>(
+        c: &[__m256i; 8],
+        h: *const i8,
+        l: *const i8,
+    ) -> __m256i;
     /// The offset the products carry per code.
     fn offset<C: PairCodes>() -> i32;
 }
@@ -657,16 +778,38 @@ struct MaddDot;
 impl Dot for MaddDot {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn pair<C: PairCodes>(a: __m256i, b: __m256i, x: [__m256i; 4]) -> __m256i {
-        pair_sums::<C>(a, b, x)
+    unsafe fn pair<C: PairCodes, const LO: bool>(
+        a: __m256i,
+        b: __m256i,
+        x: [__m256i; 4],
+    ) -> __m256i {
+        pair_sums::<C, LO>(a, b, x)
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn single<C: PairCodes>(c: __m256i, h: __m256i, l: __m256i) -> __m256i {
+    unsafe fn single<C: PairCodes, const LO: bool>(c: __m256i, h: __m256i, l: __m256i) -> __m256i {
+        if !LO {
+            return _mm256_madd_epi16(code_products::<C>(c, h), _mm256_set1_epi16(256));
+        }
         _mm256_add_epi32(
             _mm256_madd_epi16(code_products::<C>(c, h), _mm256_set1_epi16(256)),
             _mm256_madd_epi16(code_products::<C>(c, l), _mm256_set1_epi16(1)),
         )
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group8<C: PairCodes, const LO: bool>(
+        c: &[__m256i; 8],
+        h: *const i8,
+        l: *const i8,
+    ) -> __m256i {
+        // SAFETY: the caller guarantees the planes' 256 bytes.
+        let hs = _mm256_slli_epi32(unsafe { group8_plane::<C>(c, h) }, 8);
+        if !LO {
+            return hs;
+        }
+        // SAFETY: as above.
+        _mm256_add_epi32(hs, unsafe { group8_plane::<C>(c, l) })
     }
     fn offset<C: PairCodes>() -> i32 {
         C::OFFSET
@@ -689,7 +832,7 @@ impl VnniDot {
 impl Dot for VnniDot {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn pair<C: PairCodes>(
+    unsafe fn pair<C: PairCodes, const LO: bool>(
         a: __m256i,
         b: __m256i,
         [ha, hb, la, lb]: [__m256i; 4],
@@ -697,15 +840,46 @@ impl Dot for VnniDot {
         let (a, b) = (Self::unsigned::<C>(a), Self::unsigned::<C>(b));
         let s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, ha);
         let s = _mm256_dpbusd_avx_epi32(s, b, hb);
+        if !LO {
+            return _mm256_slli_epi32(s, 8);
+        }
         let s = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 8), a, la);
         _mm256_dpbusd_avx_epi32(s, b, lb)
     }
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn single<C: PairCodes>(c: __m256i, h: __m256i, l: __m256i) -> __m256i {
+    unsafe fn single<C: PairCodes, const LO: bool>(c: __m256i, h: __m256i, l: __m256i) -> __m256i {
         let c = Self::unsigned::<C>(c);
         let s = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), c, h);
+        if !LO {
+            return _mm256_slli_epi32(s, 8);
+        }
         _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(s, 8), c, l)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn group8<C: PairCodes, const LO: bool>(
+        c: &[__m256i; 8],
+        h: *const i8,
+        l: *const i8,
+    ) -> __m256i {
+        // Two chains of four `vpdpbusd` per plane (its latency).
+        let plane = |x: *const i8| {
+            // SAFETY: the caller guarantees the planes' 256 bytes.
+            let v = |k: usize| unsafe { _mm256_loadu_si256(x.add(32 * k) as *const __m256i) };
+            let mut a = _mm256_setzero_si256();
+            let mut b = _mm256_setzero_si256();
+            for k in (0..8).step_by(2) {
+                a = _mm256_dpbusd_avx_epi32(a, Self::unsigned::<C>(c[k]), v(k));
+                b = _mm256_dpbusd_avx_epi32(b, Self::unsigned::<C>(c[k + 1]), v(k + 1));
+            }
+            _mm256_add_epi32(a, b)
+        };
+        let hs = _mm256_slli_epi32(plane(h), 8);
+        if !LO {
+            return hs;
+        }
+        _mm256_add_epi32(hs, plane(l))
     }
     fn offset<C: PairCodes>() -> i32 {
         if C::OFFSET == 0 {
@@ -725,6 +899,8 @@ macro_rules! i16_row_fn {
         /// sums (`256 * hi + lo`, exact in i32) and one permute spreads the two blocks' scale
         /// products; single blocks after the runs likewise. The offset correction is one FMA
         /// per group. Each input is summed in the same order whatever `N` is; `out[t]`.
+        /// Without `LO` the low plane is all zeros ([`crate::kernels::inputs::I16Inputs::hi_only`],
+        /// 8-bit inputs) and is not read: half the products, the same sums.
         ///
         /// # Safety
         /// The instruction set of `$feat` available; `cols` a multiple of 32; `row` a whole
@@ -733,7 +909,7 @@ macro_rules! i16_row_fn {
         #[target_feature(enable = $feat)]
         // `j` picks both the pair's blocks and its accumulator, inside the loop over inputs.
         #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-        unsafe fn $name<C: PairCodes, const N: usize>(
+        unsafe fn $name<C: PairCodes, const N: usize, const LO: bool>(
             row: &[u8],
             ws: &[f32],
             hi: &[i8],
@@ -741,6 +917,7 @@ macro_rules! i16_row_fn {
             d: &[f32],
             dsums: &[f32],
             cols: usize,
+            grouped: bool,
             out: &mut [f32],
         ) {
             let p = row.as_ptr();
@@ -753,7 +930,53 @@ macro_rules! i16_row_fn {
             let mut cacc = [_mm256_setzero_ps(); N];
             let mut wd = [_mm256_setzero_ps(); N];
             let half_idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+            // Lane `l` of a Groups8 group's sums holds block `sigma[l]`.
+            let sigma = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+            let whole = if grouped && C::GROUPED {
+                blocks / 8 * 8
+            } else {
+                0
+            };
             let mut g = 0;
+            // Whole groups in the Groups8 order: each block's integer sum whole in its lane,
+            // scaled once (the scale products permuted to the lanes).
+            while g < whole {
+                // SAFETY: `g + 8 <= blocks`: 8 scales of `ws` and of `d` / `dsums`
+                // `[t * blocks + g ..]`, the decode reads blocks g..g+8 of the row and the input
+                // loads `[t*cols + 32g ..][..256]` of each plane, `t < N`.
+                unsafe {
+                    let w = _mm256_loadu_ps(ws.as_ptr().add(g));
+                    let wp = _mm256_permutevar8x32_ps(w, sigma);
+                    let codes = C::group8(p, g);
+                    for t in 0..N {
+                        let o = t * blocks + g;
+                        let dp =
+                            _mm256_permutevar8x32_ps(_mm256_loadu_ps(d.as_ptr().add(o)), sigma);
+                        let x = t * cols + g * BLOCK;
+                        let s = <$dot>::group8::<C, LO>(&codes, hp.add(x), lp.add(x));
+                        acc[t][0] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(s),
+                            _mm256_mul_ps(wp, dp),
+                            acc[t][0],
+                        );
+                    }
+                }
+                g += 8;
+            }
+            // The groups' offset corrections in a pass of their own: in the loop above, `N`
+            // more live vectors beside the eight code vectors spilled.
+            for t in 0..N {
+                for g in (0..whole).step_by(8) {
+                    // SAFETY: `g + 8 <= blocks`, `t < N`: inside `ws` and `dsums`.
+                    unsafe {
+                        cacc[t] = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(ws.as_ptr().add(g)),
+                            _mm256_loadu_ps(dsums.as_ptr().add(t * blocks + g)),
+                            cacc[t],
+                        );
+                    }
+                }
+            }
             while g < blocks {
                 let n = (blocks - g).min(8);
                 let mask = _mm256_cmpgt_epi32(
@@ -789,13 +1012,19 @@ macro_rules! i16_row_fn {
                                 let (ca, cb) = C::pair(p, b + 2 * j);
                                 for t in 0..N {
                                     let o = t * cols + b * BLOCK + 32 * j;
-                                    let xs = [
+                                    let h = [
                                         _mm256_loadu_si256(hp.add(o) as *const __m256i),
                                         _mm256_loadu_si256(hp.add(o + 64) as *const __m256i),
-                                        _mm256_loadu_si256(lp.add(o) as *const __m256i),
-                                        _mm256_loadu_si256(lp.add(o + 64) as *const __m256i),
                                     ];
-                                    let s = <$dot>::pair::<C>(ca, cb, xs);
+                                    let l = if LO {
+                                        [
+                                            _mm256_loadu_si256(lp.add(o) as *const __m256i),
+                                            _mm256_loadu_si256(lp.add(o + 64) as *const __m256i),
+                                        ]
+                                    } else {
+                                        [_mm256_setzero_si256(); 2]
+                                    };
+                                    let s = <$dot>::pair::<C, LO>(ca, cb, [h[0], h[1], l[0], l[1]]);
                                     let sv = _mm256_permutevar8x32_ps(wd[t], idx);
                                     acc[t][j] =
                                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][j]);
@@ -811,10 +1040,15 @@ macro_rules! i16_row_fn {
                             let c = C::single(p, b);
                             for t in 0..N {
                                 let o = t * cols + b * BLOCK;
-                                let s = <$dot>::single::<C>(
+                                let l = if LO {
+                                    _mm256_loadu_si256(lp.add(o) as *const __m256i)
+                                } else {
+                                    _mm256_setzero_si256()
+                                };
+                                let s = <$dot>::single::<C, LO>(
                                     c,
                                     _mm256_loadu_si256(hp.add(o) as *const __m256i),
-                                    _mm256_loadu_si256(lp.add(o) as *const __m256i),
+                                    l,
                                 );
                                 let sv = _mm256_permutevar8x32_ps(wd[t], idx);
                                 acc[t][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sv, acc[t][0]);
@@ -836,13 +1070,14 @@ macro_rules! i16_row_fn {
 i16_row_fn!(i16_row, "avx2,fma,f16c", MaddDot);
 i16_row_fn!(i16_row_vnni, "avx2,fma,f16c,avxvnni", VnniDot);
 
-/// 16-bit-activation row kernel (INT4, MXFP4, Q8) against `n` inputs; `scales` has one value
-/// per 32-block.
+/// 16-bit-activation row kernel (INT4, MXFP4, Q8) against inputs `t0..t0 + n` of `x`
+/// (`out[t]` for input `t0 + t`); `scales` has one value per 32-block.
 ///
 /// # Safety
 /// AVX2, FMA and F16C available, and AVX-VNNI when `vnni`; `kind.simd_shape(cols)`;
 /// `row.len() == kind.row_len(cols)`, `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at
-/// least `n * cols` codes and `x.d`/`x.dsums` `n * cols / 32` values; `out.len() >= n`.
+/// least `(t0 + n) * cols` codes and `x.d`/`x.dsums` `(t0 + n) * cols / 32` values;
+/// `out.len() >= n`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn row_i16(
@@ -851,45 +1086,89 @@ pub unsafe fn row_i16(
     row: &[u8],
     scales: &[f32],
     x: &crate::kernels::inputs::I16Inputs,
+    t0: usize,
     cols: usize,
     n: usize,
     out: &mut [f32],
 ) {
     debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
     let blocks = cols / BLOCK;
-    debug_assert!(x.hi.len() >= n * cols && x.lo.len() >= n * cols && out.len() >= n);
-    debug_assert!(x.d.len() >= n * blocks && x.dsums.len() >= n * blocks);
+    let end = t0 + n;
+    debug_assert!(x.hi.len() >= end * cols && x.lo.len() >= end * cols && out.len() >= n);
+    debug_assert!(x.d.len() >= end * blocks && x.dsums.len() >= end * blocks);
     debug_assert!(scales.len() >= blocks);
     // Inputs quantized for the AVX-512 tiles would give wrong sums here, not an error.
-    assert_eq!(
-        x.order,
-        crate::kernels::inputs::I16Order::Quads,
-        "AVX2 16-bit kernel given inputs in another order"
+    let grouped = x.order == crate::kernels::inputs::I16Order::Groups8;
+    assert!(
+        x.order == crate::kernels::inputs::I16Order::Quads
+            || (grouped && matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. })),
+        "AVX2 16-bit kernel given {kind:?} inputs in the order {:?}",
+        x.order
     );
-    let mut t = 0;
-    while t < n {
-        let k = (n - t).min(4);
+    let mut t = t0;
+    while t < end {
+        let k = (end - t).min(if grouped { GROUPED_INPUTS } else { 4 });
         let (hi, lo) = (
             &x.hi[t * cols..(t + k) * cols],
             &x.lo[t * cols..(t + k) * cols],
         );
         let d = &x.d[t * blocks..(t + k) * blocks];
         let ds = &x.dsums[t * blocks..(t + k) * blocks];
-        let o = &mut out[t..t + k];
+        let o = &mut out[t - t0..t - t0 + k];
         macro_rules! go {
             ($c:ty) => {
                 // SAFETY: the caller's contract (AVX-VNNI available when `vnni`); the slices
                 // and `o` hold exactly `k` inputs.
                 unsafe {
-                    match (vnni, k) {
-                        (false, 4) => i16_row::<$c, 4>(row, scales, hi, lo, d, ds, cols, o),
-                        (false, 3) => i16_row::<$c, 3>(row, scales, hi, lo, d, ds, cols, o),
-                        (false, 2) => i16_row::<$c, 2>(row, scales, hi, lo, d, ds, cols, o),
-                        (false, _) => i16_row::<$c, 1>(row, scales, hi, lo, d, ds, cols, o),
-                        (true, 4) => i16_row_vnni::<$c, 4>(row, scales, hi, lo, d, ds, cols, o),
-                        (true, 3) => i16_row_vnni::<$c, 3>(row, scales, hi, lo, d, ds, cols, o),
-                        (true, 2) => i16_row_vnni::<$c, 2>(row, scales, hi, lo, d, ds, cols, o),
-                        (true, _) => i16_row_vnni::<$c, 1>(row, scales, hi, lo, d, ds, cols, o),
+                    match (vnni, x.hi_only, k) {
+                        (false, false, 4) => {
+                            i16_row::<$c, 4, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (false, false, 3) => {
+                            i16_row::<$c, 3, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (false, false, 2) => {
+                            i16_row::<$c, 2, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (false, false, _) => {
+                            i16_row::<$c, 1, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (false, true, 4) => {
+                            i16_row::<$c, 4, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (false, true, 3) => {
+                            i16_row::<$c, 3, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (false, true, 2) => {
+                            i16_row::<$c, 2, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (false, true, _) => {
+                            i16_row::<$c, 1, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
+                        }
+                        (true, false, 4) => i16_row_vnni::<$c, 4, true>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
+                        (true, false, 3) => i16_row_vnni::<$c, 3, true>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
+                        (true, false, 2) => i16_row_vnni::<$c, 2, true>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
+                        (true, false, _) => i16_row_vnni::<$c, 1, true>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
+                        (true, true, 4) => i16_row_vnni::<$c, 4, false>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
+                        (true, true, 3) => i16_row_vnni::<$c, 3, false>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
+                        (true, true, 2) => i16_row_vnni::<$c, 2, false>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
+                        (true, true, _) => i16_row_vnni::<$c, 1, false>(
+                            row, scales, hi, lo, d, ds, cols, grouped, o,
+                        ),
                     }
                 }
             };
@@ -903,6 +1182,8 @@ pub unsafe fn row_i16(
         t += k;
     }
 }
+
+const GROUPED_INPUTS: usize = 4;
 
 /// `out[i] = f16(bytes[2i..2i+2])` for every `out`.
 ///
