@@ -70,15 +70,8 @@ fn row_dot(
             }
             scalar::row_bf16_act(row, x, cols, n, out)
         }
-        Inputs::I8 { q, d } => {
-            #[cfg(target_arch = "x86_64")]
-            if simd && isa.has_avx2() {
-                // SAFETY: as above; `q` is `n*cols` and `d` is `n*cols/32`.
-                unsafe { x86::row_i8(kind, row, scales, q, d, cols, n, out) };
-                return;
-            }
-            scalar::row_i8(kind, row, scales, q, d, cols, n, out)
-        }
+        // x86 takes 8-bit inputs in the 16-bit layout (`prepare`): these are the portable ones.
+        Inputs::I8 { q, d } => scalar::row_i8(kind, row, scales, q, d, cols, n, out),
         Inputs::I16(x) => {
             #[cfg(target_arch = "x86_64")]
             if simd && isa.has_avx512() {
@@ -495,9 +488,8 @@ pub(crate) fn rows_task(
         let blocks = cols / BLOCK;
         let per_input = match xin {
             Inputs::F32(_) => Some(4 * cols),
-            Inputs::I8 { .. } => Some(cols + 4 * blocks),
             Inputs::I16(_) => Some(2 * cols + 8 * blocks),
-            Inputs::Bf16(_) => None,
+            Inputs::I8 { .. } | Inputs::Bf16(_) => None,
         };
         let chunk = per_input.map_or(n, l1_input_chunk);
         if chunk < n {
@@ -516,18 +508,14 @@ pub(crate) fn rows_task(
                         Inputs::F32(xf) => unsafe {
                             x86::row_f32(kind, row, sc, &xf[xa..xb], cols, nn, out)
                         },
-                        // SAFETY: as above; `q` holds `nn * cols` codes and `d` their
-                        // `nn * cols / 32` scales (integer formats only reach `Inputs::I8`).
-                        Inputs::I8 { q, d } => unsafe {
-                            let ds = &d[t0 * blocks..(t0 + nn) * blocks];
-                            x86::row_i8(kind, row, sc, &q[xa..xb], ds, cols, nn, out)
-                        },
                         // SAFETY: as above; `xq` holds `n >= t0 + nn` inputs (AVX-VNNI
                         // only for `Isa::AvxVnni`).
                         Inputs::I16(xq) => unsafe {
                             x86::row_i16(isa == Isa::AvxVnni, kind, row, sc, xq, t0, cols, nn, out)
                         },
-                        Inputs::Bf16(_) => unreachable!("no chunk for BF16 activations"),
+                        Inputs::I8 { .. } | Inputs::Bf16(_) => {
+                            unreachable!("no chunks for int8 or BF16 inputs")
+                        }
                     }
                 }
             }

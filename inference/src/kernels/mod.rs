@@ -16,17 +16,18 @@
 //!   integer arithmetic (`vpmaddubsw`/`vpmaddwd`), scaled per block. Relative error stays within
 //!   about 1% of the output's norm; other formats ignore it and run in f32. Too coarse for the
 //!   fixtures' 1e-3 tolerance (measured 5.9e-3 on `deepseek_v3_int4`), so only opt-in
-//!   (`DELTAFIN_ACTIVATIONS=i8`, llama.cpp's precision for its quantized formats). On AVX-512
-//!   the same 8-bit values go through the [`Act::I16`] tiles as their high plane, the low one
-//!   zero and skipped ([`I16Inputs::hi_only`]): half the `vpdpbusd`, prefill of a 512-token
-//!   INT4 prompt 1.06-1.20x faster than [`Act::I16`] on Zen 4.
+//!   (`DELTAFIN_ACTIVATIONS=i8`, llama.cpp's precision for its quantized formats). On x86 the
+//!   same 8-bit values go through the [`Act::I16`] kernels as their high plane, the low one
+//!   zero and skipped ([`I16Inputs::hi_only`]): half the `vpdpbusd` / `vpmaddubsw`, prefill of
+//!   a 512-token INT4 prompt 1.06-1.20x faster than [`Act::I16`] on Zen 4.
 //! - [`Act::I16`]: the integer formats again, inputs quantized to 16 bits per 32-value block and
 //!   held as two int8 planes (`x ~ d * (256 * hi + lo)`), so one AVX-512 VNNI `vpdpbusd` per
 //!   plane does 64 multiply-adds. About 256x finer than `I8` (half a step is amax / 65024) and,
 //!   with VNNI, as fast as the memory system; [`model_act`] picks it for the integer formats
 //!   when the AVX-512 kernels run. There the 4-bit formats' inputs are stored in
 //!   [`I16Order::Groups`]: a group of 16 blocks transposed so that one 32-bit lane sums a
-//!   whole block, scaled once per block (prefill of a 512-token INT4 prompt about 1.2x).
+//!   whole block, scaled once per block (prefill of a 512-token INT4 prompt about 1.2x); on
+//!   AVX2 in [`I16Order::Groups8`], groups of 8 blocks for the 8 lanes of a ymm.
 //! - [`Act::Bf16`]: opt-in (`DELTAFIN_ACTIVATIONS=bf16`), BF16 weights only, x86_64 with AVX-512
 //!   BF16: inputs rounded to BF16 and multiplied by `vdpbf16ps` (`x86_avx512_bf16`), llama.cpp's
 //!   BF16 precision at twice the f32 multiply rate; beyond the fixtures' tolerance (about 2x), so

@@ -3,10 +3,12 @@
 //! Each format decodes 32 weights per step into registers: BF16 by a 16-bit shift, F16 and FP8
 //! through `vcvtph2ps` (e4m3 is rebuilt as an f16 bit pattern, exact including subnormals, worth
 //! 2^-8 of the value: the 2^8 goes into the block scale), INT4 and MXFP4 by splitting nibbles
-//! and mapping them with `vpshufb`, Q8 by sign extension. The f32 path multiplies in f32; the
-//! int8 path multiplies codes by quantized inputs with `vpmaddubsw` + `vpmaddwd` and scales each
-//! 32-block once. Up to two inputs share one decode (tiles of 2 with 4 accumulators each for
-//! the f32 path, tiles of 4 for the int8 path).
+//! and mapping them with `vpshufb`, Q8 by sign extension. The f32 path multiplies in f32 (tiles
+//! of 2 inputs with 4 accumulators each). The integer formats' 16-bit path multiplies codes by
+//! the two int8 planes of the inputs with `vpmaddubsw` + `vpmaddwd` (or AVX-VNNI `vpdpbusd`),
+//! 4 inputs per decode: INT4 and MXFP4 in groups of 8 blocks transposed so that one 32-bit
+//! lane sums one block, scaled once ([`crate::kernels::inputs::I16Order::Groups8`]); 8-bit
+//! inputs (`DELTAFIN_ACTIVATIONS=i8`) come as the high plane alone and the low one is skipped.
 //!
 //! Differences from [`super::scalar`]: summation order (tested within a budget), and FP8's NaN
 //! codes 0x7f/0xff decode as ±480 (real checkpoints never hold them).
@@ -349,145 +351,6 @@ pub unsafe fn rows4_f32(
         WeightFormat::Mxfp4 { .. } => go!(rows_mxfp4, 0.5),
         WeightFormat::Q8 { .. } => go!(rows_q8, 1.0),
     }
-}
-
-/// int8-activation tile: per 32-block, `sum(code * q) * scale_w * d_x`.
-macro_rules! i8_tile {
-    ($name:ident, |$p:ident, $c:ident| $decode:expr) => {
-        /// # Safety
-        /// AVX2, FMA and F16C available; `cols` a multiple of 32; `row` a whole row, `sd` the
-        /// `N * cols / 32` products weight scale x input scale, `q` `N * cols` codes, `out` `N`
-        /// values.
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn $name<const N: usize>(
-            row: &[u8],
-            sd: &[f32],
-            q: &[i8],
-            cols: usize,
-            out: &mut [f32],
-        ) {
-            let $p = row.as_ptr();
-            let qp = q.as_ptr();
-            let blocks = cols / BLOCK;
-            let sd = &sd[..N * blocks];
-            let ones = _mm256_set1_epi16(1);
-            let mut acc0 = [_mm256_setzero_ps(); N];
-            let mut acc1 = [_mm256_setzero_ps(); N];
-            macro_rules! step {
-                ($b:expr, $acc:ident) => {{
-                    let b = $b;
-                    let $c = b * BLOCK;
-                    // SAFETY: `b < blocks`, so the decode reads inside the row and the input
-                    // loads read `q[t*cols + 32b ..][..32]` and `sd[t*blocks + b]`, `t < N`.
-                    unsafe {
-                        let w: __m256i = $decode;
-                        let aw = _mm256_abs_epi8(w);
-                        for (t, a) in $acc.iter_mut().enumerate() {
-                            let xv = _mm256_loadu_si256(qp.add(t * cols + $c) as *const __m256i);
-                            let p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w));
-                            let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                            let dv = _mm256_broadcast_ss(sd.get_unchecked(t * blocks + b));
-                            *a = _mm256_fmadd_ps(f, dv, *a);
-                        }
-                    }
-                }};
-            }
-            let mut b = 0usize;
-            while b + 2 <= blocks {
-                step!(b, acc0);
-                step!(b + 1, acc1);
-                b += 2;
-            }
-            if b < blocks {
-                step!(b, acc0);
-            }
-            for ((o, a0), a1) in out.iter_mut().zip(&acc0).zip(&acc1) {
-                *o = hsum(_mm256_add_ps(*a0, *a1));
-            }
-        }
-    };
-}
-
-/// 32 nibble codes (16 bytes) mapped through `lut`: evens in the low lane, odds in the high.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn nibbles_split(b: __m128i, lut: __m256i) -> __m256i {
-    let v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
-    _mm256_shuffle_epi8(lut, _mm256_and_si256(v, _mm256_set1_epi8(0x0f)))
-}
-
-i8_tile!(i8_int4, |p, c| nibbles_split(
-    _mm_loadu_si128(p.add(c / 2) as *const __m128i),
-    _mm256_broadcastsi128_si256(int4_lut())
-));
-
-i8_tile!(i8_mxfp4, |p, c| nibbles_split(
-    _mm_loadu_si128(p.add(c / 2) as *const __m128i),
-    _mm256_broadcastsi128_si256(mxfp4_lut())
-));
-
-i8_tile!(i8_q8, |p, c| _mm256_loadu_si256(p.add(c) as *const __m256i));
-
-/// int8-activation row kernel (INT4, MXFP4, Q8); `scales` has one value per 32-block.
-///
-/// # Safety
-/// As [`row_f32`], with `scales.len() >= cols / 32`, `q.len() >= n * cols` and
-/// `d.len() >= n * cols / 32` instead of `x`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn row_i8(
-    kind: WeightFormat,
-    row: &[u8],
-    scales: &[f32],
-    q: &[i8],
-    d: &[f32],
-    cols: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
-    debug_assert!(q.len() >= n * cols && d.len() * BLOCK >= n * cols && out.len() >= n);
-    let blocks = cols / BLOCK;
-    debug_assert!(scales.len() >= blocks);
-    thread_local! {
-        static SD: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    SD.with(|sd| {
-        let mut sd = sd.borrow_mut();
-        sd.clear();
-        // Products of weight and input scales, once per row (vectorized by the compiler).
-        for dt in d[..n * blocks].chunks_exact(blocks) {
-            sd.extend(dt.iter().zip(&scales[..blocks]).map(|(a, b)| a * b));
-        }
-        let mut t = 0;
-        while t < n {
-            let take = (n - t).min(4);
-            let qs = &q[t * cols..(t + take) * cols];
-            let sds = &sd[t * blocks..(t + take) * blocks];
-            let o = &mut out[t..t + take];
-            macro_rules! go {
-                ($f:ident) => {
-                    // SAFETY: the caller's contract is the tile's; `qs`, `sds`, `o` hold
-                    // `take` inputs / outputs.
-                    unsafe {
-                        match take {
-                            4 => $f::<4>(row, sds, qs, cols, o),
-                            3 => $f::<3>(row, sds, qs, cols, o),
-                            2 => $f::<2>(row, sds, qs, cols, o),
-                            _ => $f::<1>(row, sds, qs, cols, o),
-                        }
-                    }
-                };
-            }
-            match kind {
-                WeightFormat::Int4 { .. } => go!(i8_int4),
-                WeightFormat::Mxfp4 { .. } => go!(i8_mxfp4),
-                WeightFormat::Q8 { .. } => go!(i8_q8),
-                _ => unreachable!("int8 kernels take INT4, MXFP4 and Q8 only"),
-            }
-            t += take;
-        }
-    })
 }
 
 /// Codes of the 16-bit-activation path on AVX2, in the [`crate::kernels::inputs::I16Inputs`] order.
