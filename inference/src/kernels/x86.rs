@@ -755,7 +755,7 @@ impl Dot for VnniDot {
 
 /// One 16-bit row kernel per [`Dot`], each compiled for its instruction set.
 macro_rules! i16_row_fn {
-    ($name:ident, $feat:literal, $dot:ty) => {
+    ($name:ident, $rows_name:ident, $feat:literal, $dot:ty) => {
         /// One row against `N` 16-bit inputs (the AVX2 / AVX-VNNI form of the AVX-512 16-bit
         /// tile): groups of 8 blocks take their 8 weight scales times each input's 8 block
         /// scales once; per pair of blocks inside a run of four, the [`Dot`] gives the pair's
@@ -770,6 +770,7 @@ macro_rules! i16_row_fn {
         /// row of `cols` codes, `ws` its `cols / 32` block scales; `hi`/`lo` hold `N * cols`
         /// codes and `d`/`dsums` `N * cols / 32` values; `out` `N` values.
         #[target_feature(enable = $feat)]
+        #[inline]
         // `j` picks both the pair's blocks and its accumulator, inside the loop over inputs.
         #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
         unsafe fn $name<C: PairCodes, const N: usize, const LO: bool>(
@@ -927,11 +928,53 @@ macro_rules! i16_row_fn {
                 out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) - off * hsum(cacc[t]);
             }
         }
+
+        /// Rows `0..out.len()` of `data` (`rb` bytes each, `ws` holding `per_row` block scales
+        /// per row) against one input: the single-row kernel inlined into the loop, so that a
+        /// matrix-vector product pays its set-up once per call, not once per row (a row of
+        /// 512 INT4 columns is only two groups).
+        ///
+        /// # Safety
+        /// As for the single-row kernel with `N = 1`, for every row.
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $rows_name<C: PairCodes, const LO: bool>(
+            data: &[u8],
+            rb: usize,
+            ws: &[f32],
+            per_row: usize,
+            x: &crate::kernels::inputs::I16Inputs,
+            cols: usize,
+            grouped: bool,
+            out: &mut [f32],
+        ) {
+            for (r, o) in out.iter_mut().enumerate() {
+                // SAFETY: the caller's contract, row by row.
+                unsafe {
+                    $name::<C, 1, LO>(
+                        &data[r * rb..(r + 1) * rb],
+                        &ws[r * per_row..(r + 1) * per_row],
+                        &x.hi,
+                        &x.lo,
+                        &x.d,
+                        &x.dsums,
+                        cols,
+                        grouped,
+                        std::slice::from_mut(o),
+                    )
+                };
+            }
+        }
     };
 }
 
-i16_row_fn!(i16_row, "avx2,fma,f16c", MaddDot);
-i16_row_fn!(i16_row_vnni, "avx2,fma,f16c,avxvnni", VnniDot);
+i16_row_fn!(i16_row, i16_rows1, "avx2,fma,f16c", MaddDot);
+i16_row_fn!(
+    i16_row_vnni,
+    i16_rows1_vnni,
+    "avx2,fma,f16c,avxvnni",
+    VnniDot
+);
 
 /// 16-bit-activation row kernel (INT4, MXFP4, Q8) against inputs `t0..t0 + n` of `x`
 /// (`out[t]` for input `t0 + t`); `scales` has one value per 32-block.
@@ -960,14 +1003,7 @@ pub unsafe fn row_i16(
     debug_assert!(x.hi.len() >= end * cols && x.lo.len() >= end * cols && out.len() >= n);
     debug_assert!(x.d.len() >= end * blocks && x.dsums.len() >= end * blocks);
     debug_assert!(scales.len() >= blocks);
-    // Inputs quantized for the AVX-512 tiles would give wrong sums here, not an error.
-    let grouped = x.order == crate::kernels::inputs::I16Order::Groups8;
-    assert!(
-        x.order == crate::kernels::inputs::I16Order::Quads
-            || (grouped && matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. })),
-        "AVX2 16-bit kernel given {kind:?} inputs in the order {:?}",
-        x.order
-    );
+    let grouped = i16_order_checked(kind, x);
     let mut t = t0;
     while t < end {
         let k = (end - t).min(if grouped { GROUPED_INPUTS } else { 4 });
@@ -1047,6 +1083,77 @@ pub unsafe fn row_i16(
 }
 
 const GROUPED_INPUTS: usize = 4;
+
+/// 16-bit-activation matrix-vector product over `out.len()` consecutive rows of `data` (`rb`
+/// bytes each, `scales` holding `per_row` block scales per row) against the one input in `x`:
+/// each `out[r]` equal to [`row_i16`] on row `r` alone.
+///
+/// # Safety
+/// As for [`row_i16`] with `t0 == 0`, `n == 1`, for every row: `data` holds `out.len()` rows
+/// of `rb == kind.row_len(cols)` bytes and `scales` `out.len() * per_row` values,
+/// `per_row >= cols / 32`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows_i16_one_input(
+    vnni: bool,
+    kind: WeightFormat,
+    data: &[u8],
+    rb: usize,
+    scales: &[f32],
+    per_row: usize,
+    x: &crate::kernels::inputs::I16Inputs,
+    cols: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols));
+    debug_assert!(data.len() >= out.len() * rb && scales.len() >= out.len() * per_row);
+    debug_assert!(per_row >= cols / BLOCK && x.hi.len() >= cols && x.lo.len() >= cols);
+    let grouped = i16_order_checked(kind, x);
+    macro_rules! go {
+        ($c:ty) => {
+            // SAFETY: the caller's contract (AVX-VNNI available when `vnni`).
+            unsafe {
+                match (vnni, x.hi_only) {
+                    (false, false) => {
+                        i16_rows1::<$c, true>(data, rb, scales, per_row, x, cols, grouped, out)
+                    }
+                    (false, true) => {
+                        i16_rows1::<$c, false>(data, rb, scales, per_row, x, cols, grouped, out)
+                    }
+                    (true, false) => {
+                        i16_rows1_vnni::<$c, true>(data, rb, scales, per_row, x, cols, grouped, out)
+                    }
+                    (true, true) => i16_rows1_vnni::<$c, false>(
+                        data, rb, scales, per_row, x, cols, grouped, out,
+                    ),
+                }
+            }
+        };
+    }
+    match kind {
+        WeightFormat::Int4 { .. } => go!(Int4Pairs),
+        WeightFormat::Mxfp4 { .. } => go!(Mxfp4Pairs),
+        WeightFormat::Q8 { .. } => go!(Q8Pairs),
+        _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
+    }
+}
+
+/// Whether `x` is in [`I16Order::Groups8`] (else [`I16Order::Quads`]); inputs quantized for
+/// the AVX-512 tiles, or grouped for a format without groups, would give wrong sums here: a
+/// panic, not an error.
+///
+/// [`I16Order::Groups8`]: crate::kernels::inputs::I16Order::Groups8
+/// [`I16Order::Quads`]: crate::kernels::inputs::I16Order::Quads
+fn i16_order_checked(kind: WeightFormat, x: &crate::kernels::inputs::I16Inputs) -> bool {
+    let grouped = x.order == crate::kernels::inputs::I16Order::Groups8;
+    assert!(
+        x.order == crate::kernels::inputs::I16Order::Quads
+            || (grouped && matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. })),
+        "AVX2 16-bit kernel given {kind:?} inputs in the order {:?}",
+        x.order
+    );
+    grouped
+}
 
 /// `out[i] = f16(bytes[2i..2i+2])` for every `out`.
 ///
