@@ -122,7 +122,7 @@ const L1_INPUT_BYTES: usize = 24 << 10;
 
 /// Inputs per chunk of a matrix product, `per_input` bytes each, that stay in L1: a multiple of
 /// four (the 16-bit and BF16-activation tiles' width; the f32 tile takes two).
-fn l1_input_chunk(per_input: usize) -> usize {
+pub(crate) fn l1_input_chunk(per_input: usize) -> usize {
     (L1_INPUT_BYTES / per_input.max(1)).max(4) / 4 * 4
 }
 
@@ -215,6 +215,19 @@ pub(crate) fn untranspose(tmp: &[f32], n: usize, rows: usize, out: &mut [f32]) {
             }
         }
     }
+}
+
+/// A task's rows `r0..r0 + nr` of a matrix (`rb` bytes each in `data`) with the f32 scales of
+/// its rows `s0..nr` (`per_row` each, task-relative).
+#[derive(Debug)]
+pub(crate) struct TaskRows<'a> {
+    pub data: &'a [u8],
+    pub rb: usize,
+    pub r0: usize,
+    pub s0: usize,
+    pub nr: usize,
+    pub scales: &'a [f32],
+    pub per_row: usize,
 }
 
 /// Rows per task for rows of `kind` `cols` wide.
@@ -479,74 +492,20 @@ pub(crate) fn rows_task(
             }
         }
     }
-    // Matrix-vector products of 16-bit inputs on AVX2 without AVX-512: all the task's rows in
-    // one call (the per-row set-up and call were a quarter of an INT4 matvec's time).
+    // AVX2 without AVX-512: matrix-vector products in one call per task, matrix products
+    // over the inputs in L1-sized chunks (`avx2_rows`).
     #[cfg(target_arch = "x86_64")]
-    if n == 1 && isa.has_avx2() && !isa.has_avx512() && kind.simd_shape(cols) {
-        if let Inputs::I16(xq) = xin {
-            let rows = &data[(r0 + first) * rb..(r0 + nr) * rb];
-            let sc = &scales[(first - s0) * per_row..(nr - s0) * per_row];
-            // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected (AVX-VNNI for
-            // `Isa::AvxVnni`); `simd_shape` holds; `rows` holds `nr - first` rows of `rb =
-            // row_bytes(cols)` bytes with `per_row` block scales each, `xq` one input.
-            unsafe {
-                x86::rows_i16_one_input(
-                    isa == Isa::AvxVnni,
-                    kind,
-                    rows,
-                    rb,
-                    sc,
-                    per_row,
-                    xq,
-                    cols,
-                    &mut o[first..nr],
-                )
-            };
-            first = nr;
-        }
-    }
-    // Matrix products on AVX2 without AVX-512: the one-row kernels over the inputs in chunks
-    // that stay in L1, every row of the task once per chunk (from L2), as the AVX-512 pair
-    // tiles do; without chunks each row streamed all `n` inputs from L2. An output is the same
-    // sum whichever chunk its input is in.
-    #[cfg(target_arch = "x86_64")]
-    if n > 1 && isa.has_avx2() && !isa.has_avx512() && kind.simd_shape(cols) {
-        let blocks = cols / BLOCK;
-        let per_input = match xin {
-            Inputs::F32(_) => Some(4 * cols),
-            Inputs::I16(_) => Some(2 * cols + 8 * blocks),
-            Inputs::I8 { .. } | Inputs::Bf16(_) => None,
+    if isa.has_avx2() && !isa.has_avx512() && kind.simd_shape(cols) && first < nr {
+        let task = TaskRows {
+            data,
+            rb,
+            r0,
+            s0,
+            nr,
+            scales: &scales,
+            per_row,
         };
-        let chunk = per_input.map_or(n, l1_input_chunk);
-        if chunk < n {
-            for t0 in (0..n).step_by(chunk) {
-                let nn = chunk.min(n - t0);
-                let (xa, xb) = (t0 * cols, (t0 + nn) * cols);
-                for i in first..nr {
-                    let r = r0 + i;
-                    let row = &data[r * rb..(r + 1) * rb];
-                    let sc = &scales[(i - s0) * per_row..(i - s0 + 1) * per_row];
-                    let out = &mut o[i * n + t0..i * n + t0 + nn];
-                    match xin {
-                        // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected;
-                        // `simd_shape` holds; the row is `row_bytes(cols)` long with its
-                        // scales, the input slice holds `nn` inputs and `out` `nn` outputs.
-                        Inputs::F32(xf) => unsafe {
-                            x86::row_f32(kind, row, sc, &xf[xa..xb], cols, nn, out)
-                        },
-                        // SAFETY: as above; `xq` holds `n >= t0 + nn` inputs (AVX-VNNI
-                        // only for `Isa::AvxVnni`).
-                        Inputs::I16(xq) => unsafe {
-                            x86::row_i16(isa == Isa::AvxVnni, kind, row, sc, xq, t0, cols, nn, out)
-                        },
-                        Inputs::I8 { .. } | Inputs::Bf16(_) => {
-                            unreachable!("no chunks for int8 or BF16 inputs")
-                        }
-                    }
-                }
-            }
-            first = nr;
-        }
+        first = crate::kernels::avx2_rows::rows(isa, kind, &task, first, xin, n, cols, o);
     }
     for (i, orow) in o.chunks_mut(n).enumerate().skip(first) {
         let r = r0 + i;

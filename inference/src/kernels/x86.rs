@@ -139,6 +139,7 @@ macro_rules! f32_tile {
         /// AVX2, FMA and F16C available; `cols` and `group` multiples of 32; `row` holds a whole
         /// row of `cols` values, `scales` `cols.div_ceil(group)` values, `x` `N * cols`, `out` `N`.
         #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
         unsafe fn $name<const N: usize>(
             row: &[u8],
             scales: &[f32],
@@ -316,6 +317,59 @@ pub unsafe fn row_f32(
             WeightFormat::Q8 { .. } => go!(f32_q8, 1.0),
         }
         t += take;
+    }
+}
+
+/// f32-activation matrix-vector product over `out.len()` consecutive rows of `data` (`rb`
+/// bytes each, `scales` holding `per_row` scales per row): the single-row tile inlined into
+/// one loop, each `out[r]` equal to [`row_f32`] on row `r` alone.
+///
+/// # Safety
+/// As for [`row_f32`] with `n == 1`, for every row: `data` holds `out.len()` rows of
+/// `rb == kind.row_len(cols)` bytes, `scales` `out.len() * per_row` values with
+/// `per_row >= cols.div_ceil(kind.group(cols))`, `x` `cols` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows_f32_one_input(
+    kind: WeightFormat,
+    data: &[u8],
+    rb: usize,
+    scales: &[f32],
+    per_row: usize,
+    x: &[f32],
+    cols: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols) && x.len() >= cols);
+    debug_assert!(data.len() >= out.len() * rb && scales.len() >= out.len() * per_row);
+    let group = kind.group(cols);
+    debug_assert!(per_row >= cols.div_ceil(group));
+    macro_rules! go {
+        ($f:ident, $smul:expr) => {
+            for (r, o) in out.iter_mut().enumerate() {
+                // SAFETY: the caller's contract, row by row.
+                unsafe {
+                    $f::<1>(
+                        &data[r * rb..(r + 1) * rb],
+                        &scales[r * per_row..(r + 1) * per_row],
+                        $smul,
+                        group,
+                        x,
+                        cols,
+                        std::slice::from_mut(o),
+                    )
+                }
+            }
+        };
+    }
+    match kind {
+        WeightFormat::F32 => go!(f32_f32, 1.0),
+        WeightFormat::Bf16 => go!(f32_bf16, 1.0),
+        WeightFormat::F16 => go!(f32_f16, 1.0),
+        WeightFormat::Fp8Block { .. } => go!(f32_fp8, 256.0),
+        WeightFormat::Int4 { .. } => go!(f32_int4, 1.0),
+        WeightFormat::Mxfp4 { .. } => go!(f32_mxfp4, 0.5),
+        WeightFormat::Q8 { .. } => go!(f32_q8, 1.0),
     }
 }
 
