@@ -7,11 +7,23 @@
 
 use deltafin_formats::WeightFormat;
 
-use crate::kernels::dispatch::{l1_input_chunk, TaskRows};
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::Isa;
-use crate::kernels::shape::{KernelShape, BLOCK};
+use crate::kernels::shape::{l1_input_chunk, KernelShape, BLOCK};
 use crate::kernels::x86;
+
+/// A task's rows `r0..r0 + nr` of a matrix (`rb` bytes each in `data`) with the f32 scales of
+/// its rows `s0..nr` (`per_row` each, task-relative).
+#[derive(Debug)]
+pub(crate) struct TaskRows<'a> {
+    pub data: &'a [u8],
+    pub rb: usize,
+    pub r0: usize,
+    pub s0: usize,
+    pub nr: usize,
+    pub scales: &'a [f32],
+    pub per_row: usize,
+}
 
 /// Rows `first..t.nr` of the task against the prepared inputs `xin` (`n` of `cols`), written to
 /// `o` (`[t.nr, n]`); returns the first row left undone (`t.nr` when all were done; `first`

@@ -11,7 +11,7 @@ use crate::kernels::isa::{Act, Isa};
 use crate::kernels::prepare::prepare_inputs;
 use crate::kernels::scalar;
 use crate::kernels::scales::{group_scale_bytes, row_scales};
-use crate::kernels::shape::{prefetch_l2, KernelShape, BLOCK};
+use crate::kernels::shape::{l1_input_chunk, prefetch_l2, KernelShape, BLOCK};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{x86, x86_avx512, x86_avx512_bf16};
 use crate::linear::matrix::WeightMatrix;
@@ -115,17 +115,6 @@ pub fn matmul(m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
 /// threads on a 2048-row expert matrix.
 const TASK_BYTES: usize = 256 << 10;
 
-/// Bytes of prepared inputs a matrix-product tile keeps in L1 (32-48 KiB on the x86 cores
-/// this runs on) while it walks a task's rows: measured best of 12-48 KiB on BF16 and INT4
-/// 2048x1024 at 8 and 32 inputs (`examples/gemm_rate.rs`).
-const L1_INPUT_BYTES: usize = 24 << 10;
-
-/// Inputs per chunk of a matrix product, `per_input` bytes each, that stay in L1: a multiple of
-/// four (the 16-bit and BF16-activation tiles' width; the f32 tile takes two).
-pub(crate) fn l1_input_chunk(per_input: usize) -> usize {
-    (L1_INPUT_BYTES / per_input.max(1)).max(4) / 4 * 4
-}
-
 /// [`matmul`] on a chosen instruction set (falls back to scalar if `isa` is unavailable).
 pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
     matmul_many_with(isa, &[m], x, n, &mut [out], act)
@@ -215,19 +204,6 @@ pub(crate) fn untranspose(tmp: &[f32], n: usize, rows: usize, out: &mut [f32]) {
             }
         }
     }
-}
-
-/// A task's rows `r0..r0 + nr` of a matrix (`rb` bytes each in `data`) with the f32 scales of
-/// its rows `s0..nr` (`per_row` each, task-relative).
-#[derive(Debug)]
-pub(crate) struct TaskRows<'a> {
-    pub data: &'a [u8],
-    pub rb: usize,
-    pub r0: usize,
-    pub s0: usize,
-    pub nr: usize,
-    pub scales: &'a [f32],
-    pub per_row: usize,
 }
 
 /// Rows per task for rows of `kind` `cols` wide.
@@ -496,7 +472,7 @@ pub(crate) fn rows_task(
     // over the inputs in L1-sized chunks (`avx2_rows`).
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() && !isa.has_avx512() && kind.simd_shape(cols) && first < nr {
-        let task = TaskRows {
+        let task = crate::kernels::avx2_rows::TaskRows {
             data,
             rb,
             r0,

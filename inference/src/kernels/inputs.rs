@@ -5,7 +5,6 @@
 
 use deltafin_formats::WeightFormat;
 
-use crate::kernels::isa::Isa;
 use crate::kernels::shape::BLOCK;
 
 /// Inputs prepared once per call.
@@ -85,21 +84,6 @@ pub enum I16Order {
 }
 
 impl I16Order {
-    /// The order the kernels of `isa` take for `kind`: the 4-bit formats transposed by groups
-    /// on AVX-512 ([`I16Order::Groups`]) and AVX2 ([`I16Order::Groups8`]), else
-    /// [`I16Order::Quads`].
-    pub fn for_kind(kind: WeightFormat, isa: Isa) -> Self {
-        if !matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. }) {
-            I16Order::Quads
-        } else if isa.has_avx512() {
-            I16Order::Groups
-        } else if isa_has_avx2(isa) {
-            I16Order::Groups8
-        } else {
-            I16Order::Quads
-        }
-    }
-
     /// Blocks per transposed group, the bytes of one of its eight vectors, and the 32-bit lane
     /// of the group's block `j`; `None` for [`I16Order::Quads`].
     pub(crate) fn group_shape(self) -> Option<GroupShape> {
@@ -113,16 +97,6 @@ impl I16Order {
 
 /// Blocks per group, bytes per vector, and the lane of a group's block ([`I16Order::group_shape`]).
 pub(crate) type GroupShape = (usize, usize, fn(usize) -> usize);
-
-#[cfg(target_arch = "x86_64")]
-fn isa_has_avx2(isa: Isa) -> bool {
-    isa.has_avx2()
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn isa_has_avx2(_: Isa) -> bool {
-    false
-}
 
 /// The 32-bit lane that block `j` (0..16) of a group takes in [`I16Order::Groups`]: lane
 /// `4l + m` holds block `4m + l` (an involution: the same map takes lanes to blocks).

@@ -12,6 +12,21 @@ use crate::kernels::shape::BLOCK;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{x86, x86_avx512};
 
+/// The [`I16Order`] the 16-bit kernels of `isa` take for `kind`: the 4-bit formats transposed
+/// by groups on AVX-512 ([`I16Order::Groups`]) and AVX2 ([`I16Order::Groups8`]), else
+/// [`I16Order::Quads`].
+pub fn i16_order(kind: WeightFormat, isa: Isa) -> I16Order {
+    let four_bit = matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. });
+    #[cfg(target_arch = "x86_64")]
+    if four_bit && isa.has_avx512() {
+        return I16Order::Groups;
+    } else if four_bit && isa.has_avx2() {
+        return I16Order::Groups8;
+    }
+    let _ = (four_bit, isa);
+    I16Order::Quads
+}
+
 /// Quantize `x [n, cols]` (cols a multiple of 32) to 16-bit blocks for `kind`; the SIMD
 /// paths give the same bytes as the portable one. `isa` falls back to the portable loop when
 /// this machine lacks it.
@@ -27,7 +42,7 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     );
     let isa = if isa.available() { isa } else { Isa::Scalar };
     let blocks = x.len() / BLOCK;
-    let order = I16Order::for_kind(kind, isa);
+    let order = i16_order(kind, isa);
     let mut out = I16Inputs {
         order,
         hi: vec![0; x.len()],
@@ -269,7 +284,7 @@ mod tests {
                         continue;
                     }
                     let got = quantize_inputs_i16(isa, kind, &x, cols);
-                    assert_eq!(got.order, I16Order::for_kind(kind, isa));
+                    assert_eq!(got.order, i16_order(kind, isa));
                     // Element by element, each in its own order.
                     let planes = |q: &I16Inputs| {
                         (0..n * cols)
