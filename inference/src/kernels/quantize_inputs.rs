@@ -60,12 +60,9 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     // every block of a run of four (and for every block after the runs).
     let per_row = cols / BLOCK;
     let quads = per_row / 4;
+    // Blocks of the row in whole transposed groups (none in the quad order).
     let (gsize, vbytes, lane_of) = order.group_shape().unwrap_or((1, 0, |_| 0));
-    let grouped = if order.group_shape().is_some() {
-        per_row / gsize * gsize
-    } else {
-        0
-    };
+    let grouped = order.group_shape().map_or(0, |_| per_row / gsize * gsize);
     let in_run: [usize; BLOCK] = std::array::from_fn(|e| i16_slot(kind, cols, I16Order::Quads, e));
     let single: [usize; BLOCK] = std::array::from_fn(|e| block_slot(kind, e) - block_slot(kind, 0));
     let runs = [BlockRuns::from_rel(&in_run), BlockRuns::from_rel(&single)];
