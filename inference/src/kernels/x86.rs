@@ -1060,7 +1060,7 @@ pub unsafe fn row_i16(
     let grouped = i16_order_checked(kind, x);
     let mut t = t0;
     while t < end {
-        let k = (end - t).min(if grouped { GROUPED_INPUTS } else { 4 });
+        let k = (end - t).min(4);
         let (hi, lo) = (
             &x.hi[t * cols..(t + k) * cols],
             &x.lo[t * cols..(t + k) * cols],
@@ -1068,60 +1068,27 @@ pub unsafe fn row_i16(
         let d = &x.d[t * blocks..(t + k) * blocks];
         let ds = &x.dsums[t * blocks..(t + k) * blocks];
         let o = &mut out[t - t0..t - t0 + k];
+        // One instance per input count `k`, low plane or not, and dot product.
+        macro_rules! by_k {
+            ($f:ident, $c:ty, $lo:literal) => {
+                match k {
+                    4 => $f::<$c, 4, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
+                    3 => $f::<$c, 3, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
+                    2 => $f::<$c, 2, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
+                    _ => $f::<$c, 1, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
+                }
+            };
+        }
         macro_rules! go {
             ($c:ty) => {
                 // SAFETY: the caller's contract (AVX-VNNI available when `vnni`); the slices
                 // and `o` hold exactly `k` inputs.
                 unsafe {
-                    match (vnni, x.hi_only, k) {
-                        (false, false, 4) => {
-                            i16_row::<$c, 4, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (false, false, 3) => {
-                            i16_row::<$c, 3, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (false, false, 2) => {
-                            i16_row::<$c, 2, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (false, false, _) => {
-                            i16_row::<$c, 1, true>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (false, true, 4) => {
-                            i16_row::<$c, 4, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (false, true, 3) => {
-                            i16_row::<$c, 3, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (false, true, 2) => {
-                            i16_row::<$c, 2, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (false, true, _) => {
-                            i16_row::<$c, 1, false>(row, scales, hi, lo, d, ds, cols, grouped, o)
-                        }
-                        (true, false, 4) => i16_row_vnni::<$c, 4, true>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
-                        (true, false, 3) => i16_row_vnni::<$c, 3, true>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
-                        (true, false, 2) => i16_row_vnni::<$c, 2, true>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
-                        (true, false, _) => i16_row_vnni::<$c, 1, true>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
-                        (true, true, 4) => i16_row_vnni::<$c, 4, false>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
-                        (true, true, 3) => i16_row_vnni::<$c, 3, false>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
-                        (true, true, 2) => i16_row_vnni::<$c, 2, false>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
-                        (true, true, _) => i16_row_vnni::<$c, 1, false>(
-                            row, scales, hi, lo, d, ds, cols, grouped, o,
-                        ),
+                    match (vnni, x.hi_only) {
+                        (false, false) => by_k!(i16_row, $c, true),
+                        (false, true) => by_k!(i16_row, $c, false),
+                        (true, false) => by_k!(i16_row_vnni, $c, true),
+                        (true, true) => by_k!(i16_row_vnni, $c, false),
                     }
                 }
             };
@@ -1135,8 +1102,6 @@ pub unsafe fn row_i16(
         t += k;
     }
 }
-
-const GROUPED_INPUTS: usize = 4;
 
 /// 16-bit-activation matrix-vector product over `out.len()` consecutive rows of `data` (`rb`
 /// bytes each, `scales` holding `per_row` block scales per row) against the one input in `x`:
