@@ -269,6 +269,22 @@ f32_tile!(f32_q8, rows_q8, true, |p, c| {
     [cvt(0), cvt(8), cvt(16), cvt(24)]
 });
 
+/// `$go!(tile, scale multiplier)` with `$kind`'s single-row f32 tile (FP8's 2^8 and MXFP4's
+/// halving go into the multiplier: see the decoders above).
+macro_rules! f32_tile_of {
+    ($kind:expr, $go:ident) => {
+        match $kind {
+            WeightFormat::F32 => $go!(f32_f32, 1.0),
+            WeightFormat::Bf16 => $go!(f32_bf16, 1.0),
+            WeightFormat::F16 => $go!(f32_f16, 1.0),
+            WeightFormat::Fp8Block { .. } => $go!(f32_fp8, 256.0),
+            WeightFormat::Int4 { .. } => $go!(f32_int4, 1.0),
+            WeightFormat::Mxfp4 { .. } => $go!(f32_mxfp4, 0.5),
+            WeightFormat::Q8 { .. } => $go!(f32_q8, 1.0),
+        }
+    };
+}
+
 /// f32-activation row kernel.
 ///
 /// # Safety
@@ -307,15 +323,7 @@ pub unsafe fn row_f32(
                 }
             };
         }
-        match kind {
-            WeightFormat::F32 => go!(f32_f32, 1.0),
-            WeightFormat::Bf16 => go!(f32_bf16, 1.0),
-            WeightFormat::F16 => go!(f32_f16, 1.0),
-            WeightFormat::Fp8Block { .. } => go!(f32_fp8, 256.0),
-            WeightFormat::Int4 { .. } => go!(f32_int4, 1.0),
-            WeightFormat::Mxfp4 { .. } => go!(f32_mxfp4, 0.5),
-            WeightFormat::Q8 { .. } => go!(f32_q8, 1.0),
-        }
+        f32_tile_of!(kind, go);
         t += take;
     }
 }
@@ -362,15 +370,7 @@ pub unsafe fn rows_f32_one_input(
             }
         };
     }
-    match kind {
-        WeightFormat::F32 => go!(f32_f32, 1.0),
-        WeightFormat::Bf16 => go!(f32_bf16, 1.0),
-        WeightFormat::F16 => go!(f32_f16, 1.0),
-        WeightFormat::Fp8Block { .. } => go!(f32_fp8, 256.0),
-        WeightFormat::Int4 { .. } => go!(f32_int4, 1.0),
-        WeightFormat::Mxfp4 { .. } => go!(f32_mxfp4, 0.5),
-        WeightFormat::Q8 { .. } => go!(f32_q8, 1.0),
-    }
+    f32_tile_of!(kind, go);
 }
 
 /// Four rows against one input (matrix-vector products): `out[r] = dot(rows[r], x)`.
