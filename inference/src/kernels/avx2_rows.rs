@@ -1,15 +1,17 @@
-//! A task's rows on AVX2 without AVX-512 ([`super::dispatch::rows_task`]): matrix-vector
-//! products in one kernel call per task (the single-row kernels inlined into a loop over the
-//! rows: a call and its set-up per row were a quarter of an INT4 matvec), matrix products over
-//! the inputs in chunks that stay in L1 (every row of the task once per chunk, from L2; without
-//! chunks each row streamed all `n` inputs from L2). Every output is the single-row kernel's
+//! A task's rows on AVX2 without AVX-512 ([`super::dispatch::rows_task`]): one kernel call per
+//! task and chunk of inputs (the single-row kernels inlined into a loop over the rows: a call
+//! and its set-up per row were a quarter of an INT4 matvec, and of a prefill's expert products,
+//! whose experts meet a few inputs each), over the inputs in chunks that stay in L1 (every row
+//! of the task once per chunk, from L2; without chunks each row streamed all `n` inputs from
+//! L2). Every output is the single-row kernel's
 //! value for its row and input, whatever the chunk or loop.
 
 use deltafin_formats::WeightFormat;
 
+use crate::kernels::avx2_dense;
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::Isa;
-use crate::kernels::shape::{l1_input_chunk, KernelShape, BLOCK};
+use crate::kernels::shape::{l1_input_chunk, l1_input_chunk_of, KernelShape, BLOCK};
 use crate::kernels::x86;
 
 /// A task's rows `r0..r0 + nr` of a matrix (`rb` bytes each in `data`) with the f32 scales of
@@ -42,66 +44,44 @@ pub(crate) fn rows(
     o: &mut [f32],
 ) -> usize {
     debug_assert!(isa.has_avx2() && kind.simd_shape(cols) && first >= t.s0);
-    let (rb, per_row) = (t.rb, t.per_row);
-    let row_bytes = |a: usize, b: usize| &t.data[(t.r0 + a) * rb..(t.r0 + b) * rb];
-    let scales = |a: usize, b: usize| &t.scales[(a - t.s0) * per_row..(b - t.s0) * per_row];
-    let vnni = isa == Isa::AvxVnni;
-    if n == 1 {
-        let (rows, sc, out) = (
-            row_bytes(first, t.nr),
-            scales(first, t.nr),
-            &mut o[first..t.nr],
-        );
-        match xin {
-            // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected (AVX-VNNI for
-            // `Isa::AvxVnni`); `simd_shape` holds; `rows` holds `out.len()` rows of `rb =
-            // row_bytes(cols)` bytes with `per_row` block scales each, `xq` one input.
-            Inputs::I16(xq) => unsafe {
-                x86::rows_i16_one_input(vnni, kind, rows, rb, sc, per_row, xq, cols, out)
-            },
-            // SAFETY: as above; `xf` holds one input of `cols` (checked by `matmul`).
-            Inputs::F32(xf) => unsafe {
-                x86::rows_f32_one_input(kind, rows, rb, sc, per_row, xf, cols, out)
-            },
-            Inputs::I8 { .. } | Inputs::Bf16(_) => return first,
-        }
-        return t.nr;
+    if first >= t.nr || n == 0 {
+        return first;
     }
+    let (rb, per_row) = (t.rb, t.per_row);
     let blocks = cols / BLOCK;
     let chunk = match xin {
+        // The dense tiles take three inputs at a time.
+        Inputs::F32(_) if avx2_dense::supports(kind) => l1_input_chunk_of(4 * cols, 3),
         Inputs::F32(_) => l1_input_chunk(4 * cols),
         Inputs::I16(_) => l1_input_chunk(2 * cols + 8 * blocks),
         Inputs::I8 { .. } | Inputs::Bf16(_) => return first,
     };
-    if chunk >= n {
-        // One chunk: the row kernels take the inputs as they are.
-        return first;
-    }
-    for t0 in (0..n).step_by(chunk) {
+    let rows = &t.data[(t.r0 + first) * rb..(t.r0 + t.nr) * rb];
+    let sc = &t.scales[(first - t.s0) * per_row..(t.nr - t.s0) * per_row];
+    let last = (t.nr - first - 1) * n;
+    let vnni = isa == Isa::AvxVnni;
+    for t0 in (0..n).step_by(chunk.max(1)) {
         let nn = chunk.min(n - t0);
-        for i in first..t.nr {
-            let (row, sc) = (row_bytes(i, i + 1), scales(i, i + 1));
-            let out = &mut o[i * n + t0..i * n + t0 + nn];
-            match xin {
-                // SAFETY: as above; the row is `row_bytes(cols)` long with its scales, the
-                // input slice holds `nn` inputs and `out` `nn` outputs.
-                Inputs::F32(xf) => unsafe {
-                    x86::row_f32(
-                        kind,
-                        row,
-                        sc,
-                        &xf[t0 * cols..(t0 + nn) * cols],
-                        cols,
-                        nn,
-                        out,
-                    )
-                },
-                // SAFETY: as above; `xq` holds `n >= t0 + nn` inputs.
-                Inputs::I16(xq) => unsafe {
-                    x86::row_i16(vnni, kind, row, sc, xq, t0, cols, nn, out)
-                },
-                Inputs::I8 { .. } | Inputs::Bf16(_) => unreachable!("returned above"),
-            }
+        // Output `t0 + k` of task row `first + r` is `o[(first + r) * n + t0 + k]`.
+        let out = &mut o[first * n + t0..first * n + t0 + last + nn];
+        match xin {
+            // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected (AVX-VNNI for
+            // `Isa::AvxVnni`); `simd_shape` holds; `rows` holds `t.nr - first` rows of
+            // `rb = row_bytes(cols)` bytes with `per_row` block scales each in `sc`; `xq`
+            // holds `n >= t0 + nn` inputs (checked by `matmul`); `out` ends at the last row's
+            // output `t0 + nn - 1`, with `nn <= n` (the stride).
+            Inputs::I16(xq) => unsafe {
+                x86::rows_i16(vnni, kind, rows, rb, sc, per_row, xq, t0, nn, cols, out, n)
+            },
+            // SAFETY: as above (`supports`: the dense tiles take the format).
+            Inputs::F32(xf) if avx2_dense::supports(kind) => unsafe {
+                avx2_dense::rows(kind, rows, rb, xf, t0, nn, cols, out, n)
+            },
+            // SAFETY: as above; `xf` holds `n * cols` values (checked by `matmul`).
+            Inputs::F32(xf) => unsafe {
+                x86::rows_f32_inputs(kind, rows, rb, sc, per_row, xf, t0, nn, cols, out, n)
+            },
+            Inputs::I8 { .. } | Inputs::Bf16(_) => unreachable!("returned above"),
         }
     }
     t.nr

@@ -344,6 +344,8 @@ pub(crate) fn rows_task(
             || (isa.has_avx512() && matches!(kind, WeightFormat::Fp8Block { .. })))
         && isa.has_avx2()
         && kind.simd_shape(cols)
+        // Without AVX-512 the unscaled formats take the dense tiles (`avx2_dense`).
+        && (isa.has_avx512() || !crate::kernels::avx2_dense::supports(kind))
     {
         if let Inputs::F32(xf) = xin {
             while first + 4 <= nr {
@@ -468,8 +470,8 @@ pub(crate) fn rows_task(
             }
         }
     }
-    // AVX2 without AVX-512: matrix-vector products in one call per task, matrix products
-    // over the inputs in L1-sized chunks (`avx2_rows`).
+    // AVX2 without AVX-512: one call per task and L1-sized chunk of inputs (`avx2_rows`;
+    // F32 / BF16 / F16 against f32 inputs in the register tiles of `avx2_dense`).
     #[cfg(target_arch = "x86_64")]
     if isa.has_avx2() && !isa.has_avx512() && kind.simd_shape(cols) && first < nr {
         let task = crate::kernels::avx2_rows::TaskRows {

@@ -35,7 +35,8 @@
 //!
 //! Files: [`isa`] (instruction sets, [`KernelConfig`]), [`shape`] (the 32-column block),
 //! [`inputs`] / [`quantize_inputs`] / `prepare` (inputs prepared once per call), [`scales`] (scales as f32),
-//! [`dispatch`] (tasks and per-row dispatch; `avx2_rows`: a task's rows on AVX2), [`jobs`] (many products in one pass), and the per-ISA kernels [`scalar`], `x86`,
+//! [`dispatch`] (tasks and per-row dispatch; `avx2_rows`: a task's rows on AVX2, `avx2_dense`:
+//! its register tiles for the unscaled formats), [`jobs`] (many products in one pass), and the per-ISA kernels [`scalar`], `x86`,
 //! `x86_avx512`, `aarch64`.
 //!
 //! [`Isa::Avx512`] (AVX-512 F/BW/VL/VNNI) has its own kernels for the f32 path of the 16-bit and
@@ -46,6 +47,8 @@
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
+#[cfg(target_arch = "x86_64")]
+mod avx2_dense;
 #[cfg(target_arch = "x86_64")]
 mod avx2_rows;
 pub(crate) mod bf16;

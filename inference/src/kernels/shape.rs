@@ -34,7 +34,14 @@ const L1_INPUT_BYTES: usize = 24 << 10;
 /// Inputs per chunk of a matrix product, `per_input` bytes each, that stay in L1: a multiple of
 /// four (the 16-bit and BF16-activation tiles' width; the f32 tile takes two).
 pub(crate) fn l1_input_chunk(per_input: usize) -> usize {
-    (L1_INPUT_BYTES / per_input.max(1)).max(4) / 4 * 4
+    l1_input_chunk_of(per_input, 4)
+}
+
+/// Inputs per chunk that stay in L1, `per_input` bytes each: a multiple of the tile's `width`
+/// (at least one tile).
+pub(crate) fn l1_input_chunk_of(per_input: usize, width: usize) -> usize {
+    let width = width.max(1);
+    (L1_INPUT_BYTES / per_input.max(1)).max(width) / width * width
 }
 
 /// Hints the CPU to bring `bytes` into L2 (a few KiB at a time: a long burst of prefetches

@@ -4,7 +4,8 @@
 //! through `vcvtph2ps` (e4m3 is rebuilt as an f16 bit pattern, exact including subnormals, worth
 //! 2^-8 of the value: the 2^8 goes into the block scale), INT4 and MXFP4 by splitting nibbles
 //! and mapping them with `vpshufb`, Q8 by sign extension. The f32 path multiplies in f32 (tiles
-//! of 2 inputs with 4 accumulators each). The integer formats' 16-bit path multiplies codes by
+//! of 2 inputs with 4 accumulators each; F32 / BF16 / F16 without AVX-512 take the register
+//! tiles of [`super::avx2_dense`] instead). The integer formats' 16-bit path multiplies codes by
 //! the two int8 planes of the inputs with `vpmaddubsw` + `vpmaddwd` (or AVX-VNNI `vpdpbusd`),
 //! 4 inputs per decode: INT4 and MXFP4 in groups of 8 blocks transposed so that one 32-bit
 //! lane sums one block, scaled once ([`crate::kernels::inputs::I16Order::Groups8`]); 8-bit
@@ -328,44 +329,64 @@ pub unsafe fn row_f32(
     }
 }
 
-/// f32-activation matrix-vector product over `out.len()` consecutive rows of `data` (`rb`
-/// bytes each, `scales` holding `per_row` scales per row): the single-row tile inlined into
-/// one loop, each `out[r]` equal to [`row_f32`] on row `r` alone.
+/// f32-activation product of consecutive rows of `data` (`rb` bytes each, `scales` holding
+/// `per_row` scales per row) with inputs `t0..t0 + n` of `x` (`cols` each), input `t0 + t` of
+/// row `r` written to `out[r * stride + t]` (`out.len() == (rows - 1) * stride + n`): the
+/// single-row tile inlined into one loop, each output equal to [`row_f32`] on that row and
+/// input.
 ///
 /// # Safety
-/// As for [`row_f32`] with `n == 1`, for every row: `data` holds `out.len()` rows of
-/// `rb == kind.row_len(cols)` bytes, `scales` `out.len() * per_row` values with
-/// `per_row >= cols.div_ceil(kind.group(cols))`, `x` `cols` values.
+/// As for [`row_f32`] for every row: `data` holds the rows, `rb == kind.row_len(cols)` bytes
+/// each, `scales` `per_row` values per row with `per_row >= cols.div_ceil(kind.group(cols))`;
+/// `x` holds `t0 + n` inputs; `n <= stride` when there is more than one row.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn rows_f32_one_input(
+pub unsafe fn rows_f32_inputs(
     kind: WeightFormat,
     data: &[u8],
     rb: usize,
     scales: &[f32],
     per_row: usize,
     x: &[f32],
+    t0: usize,
+    n: usize,
     cols: usize,
     out: &mut [f32],
+    stride: usize,
 ) {
-    debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols) && x.len() >= cols);
-    debug_assert!(data.len() >= out.len() * rb && scales.len() >= out.len() * per_row);
+    debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols) && n <= out.len());
+    let rows = if n == 0 {
+        0
+    } else {
+        (out.len() - n) / stride + 1
+    };
+    debug_assert!(rows <= 1 || n <= stride);
+    debug_assert!(data.len() >= rows * rb && scales.len() >= rows * per_row);
+    debug_assert!(x.len() >= (t0 + n) * cols);
     let group = kind.group(cols);
     debug_assert!(per_row >= cols.div_ceil(group));
     macro_rules! go {
         ($f:ident, $smul:expr) => {
-            for (r, o) in out.iter_mut().enumerate() {
-                // SAFETY: the caller's contract, row by row.
-                unsafe {
-                    $f::<1>(
-                        &data[r * rb..(r + 1) * rb],
-                        &scales[r * per_row..(r + 1) * per_row],
-                        $smul,
-                        group,
-                        x,
-                        cols,
-                        std::slice::from_mut(o),
-                    )
+            for r in 0..rows {
+                let (row, sc) = (
+                    &data[r * rb..(r + 1) * rb],
+                    &scales[r * per_row..(r + 1) * per_row],
+                );
+                let mut t = t0;
+                while t < t0 + n {
+                    let take = (t0 + n - t).min(2);
+                    let xs = &x[t * cols..(t + take) * cols];
+                    let o = &mut out[r * stride + t - t0..r * stride + t - t0 + take];
+                    // SAFETY: the caller's contract, row by row; `xs` holds `take` inputs
+                    // and `o` `take` outputs.
+                    unsafe {
+                        if take == 2 {
+                            $f::<2>(row, sc, $smul, group, xs, cols, o)
+                        } else {
+                            $f::<1>(row, sc, $smul, group, xs, cols, o)
+                        }
+                    }
+                    t += take;
                 }
             }
         };
@@ -983,13 +1004,15 @@ macro_rules! i16_row_fn {
             }
         }
 
-        /// Rows `0..out.len()` of `data` (`rb` bytes each, `ws` holding `per_row` block scales
-        /// per row) against one input: the single-row kernel inlined into the loop, so that a
-        /// matrix-vector product pays its set-up once per call, not once per row (a row of
-        /// 512 INT4 columns is only two groups).
+        /// Rows `0..rows` of `data` (`rb` bytes each, `ws` holding `per_row` block scales per
+        /// row) against inputs `t0..t0 + n` of `x`, input `t0 + t` of row `r` written to
+        /// `out[r * stride + t]`: the single-row kernel inlined into the loop, so that a task
+        /// pays its set-up once per call, not once per row (a row of 512 INT4 columns is only
+        /// two groups, and a prefill's expert meets about two inputs).
         ///
         /// # Safety
-        /// As for the single-row kernel with `N = 1`, for every row.
+        /// As for the single-row kernel, for every row and every run of at most 4 inputs;
+        /// `out` holds `(rows - 1) * stride + n` values.
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
         unsafe fn $rows_name<C: PairCodes, const LO: bool>(
@@ -998,34 +1021,54 @@ macro_rules! i16_row_fn {
             ws: &[f32],
             per_row: usize,
             x: &crate::kernels::inputs::I16Inputs,
+            t0: usize,
+            n: usize,
             cols: usize,
             grouped: bool,
             out: &mut [f32],
+            stride: usize,
         ) {
-            for (r, o) in out.iter_mut().enumerate() {
-                // SAFETY: the caller's contract, row by row.
-                unsafe {
-                    $name::<C, 1, LO>(
-                        &data[r * rb..(r + 1) * rb],
-                        &ws[r * per_row..(r + 1) * per_row],
-                        &x.hi,
-                        &x.lo,
-                        &x.d,
-                        &x.dsums,
-                        cols,
-                        grouped,
-                        std::slice::from_mut(o),
-                    )
-                };
+            let blocks = cols / BLOCK;
+            let rows = if n == 0 {
+                0
+            } else {
+                (out.len() - n) / stride + 1
+            };
+            for r in 0..rows {
+                let (row, w) = (
+                    &data[r * rb..(r + 1) * rb],
+                    &ws[r * per_row..(r + 1) * per_row],
+                );
+                let mut t = t0;
+                while t < t0 + n {
+                    let k = (t0 + n - t).min(4);
+                    let (hi, lo) = (
+                        &x.hi[t * cols..(t + k) * cols],
+                        &x.lo[t * cols..(t + k) * cols],
+                    );
+                    let d = &x.d[t * blocks..(t + k) * blocks];
+                    let ds = &x.dsums[t * blocks..(t + k) * blocks];
+                    let o = &mut out[r * stride + t - t0..r * stride + t - t0 + k];
+                    // SAFETY: the caller's contract, row by row; the slices hold `k` inputs.
+                    unsafe {
+                        match k {
+                            4 => $name::<C, 4, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
+                            3 => $name::<C, 3, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
+                            2 => $name::<C, 2, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
+                            _ => $name::<C, 1, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
+                        }
+                    }
+                    t += k;
+                }
             }
         }
     };
 }
 
-i16_row_fn!(i16_row, i16_rows1, "avx2,fma,f16c", MaddDot);
+i16_row_fn!(i16_row, i16_rows, "avx2,fma,f16c", MaddDot);
 i16_row_fn!(
     i16_row_vnni,
-    i16_rows1_vnni,
+    i16_rows_vnni,
     "avx2,fma,f16c,avxvnni",
     VnniDot
 );
@@ -1103,17 +1146,18 @@ pub unsafe fn row_i16(
     }
 }
 
-/// 16-bit-activation matrix-vector product over `out.len()` consecutive rows of `data` (`rb`
-/// bytes each, `scales` holding `per_row` block scales per row) against the one input in `x`:
-/// each `out[r]` equal to [`row_i16`] on row `r` alone.
+/// 16-bit-activation product of consecutive rows of `data` (`rb` bytes each, `scales` holding
+/// `per_row` block scales per row) with inputs `t0..t0 + n` of `x`, input `t0 + t` of row `r`
+/// written to `out[r * stride + t]` (`out.len() == (rows - 1) * stride + n`): each output
+/// equal to [`row_i16`] on that row and input.
 ///
 /// # Safety
-/// As for [`row_i16`] with `t0 == 0`, `n == 1`, for every row: `data` holds `out.len()` rows
-/// of `rb == kind.row_len(cols)` bytes and `scales` `out.len() * per_row` values,
-/// `per_row >= cols / 32`.
+/// As for [`row_i16`] for every row: `data` holds the rows, `rb == kind.row_len(cols)` bytes
+/// each, and `scales` `per_row` values per row, `per_row >= cols / 32`; `x` holds
+/// `t0 + n` inputs; `n <= stride` when there is more than one row.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn rows_i16_one_input(
+pub unsafe fn rows_i16(
     vnni: bool,
     kind: WeightFormat,
     data: &[u8],
@@ -1121,29 +1165,39 @@ pub unsafe fn rows_i16_one_input(
     scales: &[f32],
     per_row: usize,
     x: &crate::kernels::inputs::I16Inputs,
+    t0: usize,
+    n: usize,
     cols: usize,
     out: &mut [f32],
+    stride: usize,
 ) {
-    debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols));
-    debug_assert!(data.len() >= out.len() * rb && scales.len() >= out.len() * per_row);
-    debug_assert!(per_row >= cols / BLOCK && x.hi.len() >= cols && x.lo.len() >= cols);
+    debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols) && n <= out.len());
+    let rows = if n == 0 {
+        0
+    } else {
+        (out.len() - n) / stride + 1
+    };
+    debug_assert!(rows <= 1 || n <= stride);
+    debug_assert!(data.len() >= rows * rb && scales.len() >= rows * per_row);
+    debug_assert!(per_row >= cols / BLOCK && x.hi.len() >= (t0 + n) * cols);
+    debug_assert!(x.lo.len() >= (t0 + n) * cols && x.d.len() >= (t0 + n) * (cols / BLOCK));
     let grouped = i16_order_checked(kind, x);
     macro_rules! go {
         ($c:ty) => {
             // SAFETY: the caller's contract (AVX-VNNI available when `vnni`).
             unsafe {
                 match (vnni, x.hi_only) {
-                    (false, false) => {
-                        i16_rows1::<$c, true>(data, rb, scales, per_row, x, cols, grouped, out)
-                    }
-                    (false, true) => {
-                        i16_rows1::<$c, false>(data, rb, scales, per_row, x, cols, grouped, out)
-                    }
-                    (true, false) => {
-                        i16_rows1_vnni::<$c, true>(data, rb, scales, per_row, x, cols, grouped, out)
-                    }
-                    (true, true) => i16_rows1_vnni::<$c, false>(
-                        data, rb, scales, per_row, x, cols, grouped, out,
+                    (false, false) => i16_rows::<$c, true>(
+                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
+                    ),
+                    (false, true) => i16_rows::<$c, false>(
+                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
+                    ),
+                    (true, false) => i16_rows_vnni::<$c, true>(
+                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
+                    ),
+                    (true, true) => i16_rows_vnni::<$c, false>(
+                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
                     ),
                 }
             }
