@@ -828,11 +828,23 @@ impl Dot for VnniDot {
     }
 }
 
+/// Consecutive rows of a matrix for the 16-bit kernels: `count` rows of `rb` bytes in `data`,
+/// each with `per_row` f32 block scales in `scales` (at least `cols / 32` used).
+struct RowsOf<'a> {
+    data: &'a [u8],
+    rb: usize,
+    count: usize,
+    scales: &'a [f32],
+    per_row: usize,
+}
+
 /// One 16-bit row kernel per [`Dot`], each compiled for its instruction set.
 macro_rules! i16_row_fn {
     ($name:ident, $rows_name:ident, $feat:literal, $dot:ty) => {
-        /// One row against `N` 16-bit inputs (the AVX2 / AVX-VNNI form of the AVX-512 16-bit
-        /// tile): groups of 8 blocks take their 8 weight scales times each input's 8 block
+        /// Each of `rows` against `N` 16-bit inputs, row by row in one call (a call and its
+        /// set-up per row cost 10-15% of an INT4 matrix-vector product: `#[inline]` alone
+        /// left the row kernel out of line), input `t` of row `r` in `out_all[r * stride + t]`
+        /// (the AVX2 / AVX-VNNI form of the AVX-512 16-bit tile): groups of 8 blocks take their 8 weight scales times each input's 8 block
         /// scales once; per pair of blocks inside a run of four, the [`Dot`] gives the pair's
         /// sums (`256 * hi + lo`, exact in i32) and one permute spreads the two blocks' scale
         /// products; single blocks after the runs likewise. The offset correction is one FMA
@@ -841,30 +853,33 @@ macro_rules! i16_row_fn {
         /// 8-bit inputs) and is not read: half the products, the same sums.
         ///
         /// # Safety
-        /// The instruction set of `$feat` available; `cols` a multiple of 32; `row` a whole
-        /// row of `cols` codes, `ws` its `cols / 32` block scales; `hi`/`lo` hold `N * cols`
-        /// codes and `d`/`dsums` `N * cols / 32` values; `out` `N` values.
+        /// The instruction set of `$feat` available; `cols` a multiple of 32; each row a whole
+        /// row of `cols` codes with at least `cols / 32` block scales; `hi`/`lo` hold
+        /// `N * cols` codes and `d`/`dsums` `N * cols / 32` values (checked: a panic).
         #[target_feature(enable = $feat)]
         #[inline]
         // `j` picks both the pair's blocks and its accumulator, inside the loop over inputs.
         #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
         unsafe fn $name<C: PairCodes, const N: usize, const LO: bool>(
-            row: &[u8],
-            ws: &[f32],
+            rows: &RowsOf<'_>,
             hi: &[i8],
             lo: &[i8],
             d: &[f32],
             dsums: &[f32],
             cols: usize,
             grouped: bool,
-            out: &mut [f32],
+            out_all: &mut [f32],
+            stride: usize,
         ) {
-            let p = row.as_ptr();
             let blocks = cols / BLOCK;
-            let ws = &ws[..blocks];
             let (hp, lp) = (hi[..N * cols].as_ptr(), lo[..N * cols].as_ptr());
             let (d, dsums) = (&d[..N * blocks], &dsums[..N * blocks]);
             let quads = blocks / 4;
+            for r in 0..rows.count {
+            let row = &rows.data[r * rows.rb..(r + 1) * rows.rb];
+            let ws = &rows.scales[r * rows.per_row..][..blocks];
+            let out = &mut out_all[r * stride..r * stride + N];
+            let p = row.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 2]; N];
             let mut cacc = [_mm256_setzero_ps(); N];
             let mut wd = [_mm256_setzero_ps(); N];
@@ -1002,24 +1017,20 @@ macro_rules! i16_row_fn {
             for t in 0..N {
                 out[t] = hsum(_mm256_add_ps(acc[t][0], acc[t][1])) - off * hsum(cacc[t]);
             }
+            }
         }
 
-        /// Rows `0..rows` of `data` (`rb` bytes each, `ws` holding `per_row` block scales per
-        /// row) against inputs `t0..t0 + n` of `x`, input `t0 + t` of row `r` written to
-        /// `out[r * stride + t]`: the single-row kernel inlined into the loop, so that a task
-        /// pays its set-up once per call, not once per row (a row of 512 INT4 columns is only
-        /// two groups, and a prefill's expert meets about two inputs).
+        /// `rows` against inputs `t0..t0 + n` of `x`, input `t0 + t` of row `r` written to
+        /// `out[r * stride + t]`: every row once per run of up to 4 inputs (a row of 512 INT4
+        /// columns is only two groups, and a prefill's expert meets about two inputs).
         ///
         /// # Safety
-        /// As for the single-row kernel, for every row and every run of at most 4 inputs;
-        /// `out` holds `(rows - 1) * stride + n` values.
+        /// As for the row kernel, for every run of at most 4 inputs; `out` holds
+        /// `(rows - 1) * stride + n` values.
         #[target_feature(enable = $feat)]
         #[allow(clippy::too_many_arguments)]
         unsafe fn $rows_name<C: PairCodes, const LO: bool>(
-            data: &[u8],
-            rb: usize,
-            ws: &[f32],
-            per_row: usize,
+            rows: &RowsOf<'_>,
             x: &crate::kernels::inputs::I16Inputs,
             t0: usize,
             n: usize,
@@ -1029,37 +1040,26 @@ macro_rules! i16_row_fn {
             stride: usize,
         ) {
             let blocks = cols / BLOCK;
-            let rows = if n == 0 {
-                0
-            } else {
-                (out.len() - n) / stride + 1
-            };
-            for r in 0..rows {
-                let (row, w) = (
-                    &data[r * rb..(r + 1) * rb],
-                    &ws[r * per_row..(r + 1) * per_row],
+            let mut t = t0;
+            while t < t0 + n {
+                let k = (t0 + n - t).min(4);
+                let (hi, lo) = (
+                    &x.hi[t * cols..(t + k) * cols],
+                    &x.lo[t * cols..(t + k) * cols],
                 );
-                let mut t = t0;
-                while t < t0 + n {
-                    let k = (t0 + n - t).min(4);
-                    let (hi, lo) = (
-                        &x.hi[t * cols..(t + k) * cols],
-                        &x.lo[t * cols..(t + k) * cols],
-                    );
-                    let d = &x.d[t * blocks..(t + k) * blocks];
-                    let ds = &x.dsums[t * blocks..(t + k) * blocks];
-                    let o = &mut out[r * stride + t - t0..r * stride + t - t0 + k];
-                    // SAFETY: the caller's contract, row by row; the slices hold `k` inputs.
-                    unsafe {
-                        match k {
-                            4 => $name::<C, 4, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
-                            3 => $name::<C, 3, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
-                            2 => $name::<C, 2, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
-                            _ => $name::<C, 1, LO>(row, w, hi, lo, d, ds, cols, grouped, o),
-                        }
+                let d = &x.d[t * blocks..(t + k) * blocks];
+                let ds = &x.dsums[t * blocks..(t + k) * blocks];
+                let o = &mut out[t - t0..];
+                // SAFETY: the caller's contract, for every row; the slices hold `k` inputs.
+                unsafe {
+                    match k {
+                        4 => $name::<C, 4, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        3 => $name::<C, 3, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        2 => $name::<C, 2, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        _ => $name::<C, 1, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
                     }
-                    t += k;
                 }
+                t += k;
             }
         }
     };
@@ -1100,50 +1100,15 @@ pub unsafe fn row_i16(
     debug_assert!(x.hi.len() >= end * cols && x.lo.len() >= end * cols && out.len() >= n);
     debug_assert!(x.d.len() >= end * blocks && x.dsums.len() >= end * blocks);
     debug_assert!(scales.len() >= blocks);
-    let grouped = i16_order_checked(kind, x);
-    let mut t = t0;
-    while t < end {
-        let k = (end - t).min(4);
-        let (hi, lo) = (
-            &x.hi[t * cols..(t + k) * cols],
-            &x.lo[t * cols..(t + k) * cols],
-        );
-        let d = &x.d[t * blocks..(t + k) * blocks];
-        let ds = &x.dsums[t * blocks..(t + k) * blocks];
-        let o = &mut out[t - t0..t - t0 + k];
-        // One instance per input count `k`, low plane or not, and dot product.
-        macro_rules! by_k {
-            ($f:ident, $c:ty, $lo:literal) => {
-                match k {
-                    4 => $f::<$c, 4, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
-                    3 => $f::<$c, 3, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
-                    2 => $f::<$c, 2, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
-                    _ => $f::<$c, 1, $lo>(row, scales, hi, lo, d, ds, cols, grouped, o),
-                }
-            };
-        }
-        macro_rules! go {
-            ($c:ty) => {
-                // SAFETY: the caller's contract (AVX-VNNI available when `vnni`); the slices
-                // and `o` hold exactly `k` inputs.
-                unsafe {
-                    match (vnni, x.hi_only) {
-                        (false, false) => by_k!(i16_row, $c, true),
-                        (false, true) => by_k!(i16_row, $c, false),
-                        (true, false) => by_k!(i16_row_vnni, $c, true),
-                        (true, true) => by_k!(i16_row_vnni, $c, false),
-                    }
-                }
-            };
-        }
-        match kind {
-            WeightFormat::Int4 { .. } => go!(Int4Pairs),
-            WeightFormat::Mxfp4 { .. } => go!(Mxfp4Pairs),
-            WeightFormat::Q8 { .. } => go!(Q8Pairs),
-            _ => unreachable!("16-bit kernels take INT4, MXFP4 and Q8 only"),
-        }
-        t += k;
-    }
+    let rows = RowsOf {
+        data: row,
+        rb: row.len(),
+        count: 1,
+        scales,
+        per_row: blocks,
+    };
+    // SAFETY: the caller's contract: one row, `n` inputs from `t0`, `n` outputs.
+    unsafe { i16_dispatch(vnni, kind, &rows, x, t0, n, cols, out, n) }
 }
 
 /// 16-bit-activation product of consecutive rows of `data` (`rb` bytes each, `scales` holding
@@ -1181,24 +1146,52 @@ pub unsafe fn rows_i16(
     debug_assert!(data.len() >= rows * rb && scales.len() >= rows * per_row);
     debug_assert!(per_row >= cols / BLOCK && x.hi.len() >= (t0 + n) * cols);
     debug_assert!(x.lo.len() >= (t0 + n) * cols && x.d.len() >= (t0 + n) * (cols / BLOCK));
+    let rows = RowsOf {
+        data,
+        rb,
+        count: rows,
+        scales,
+        per_row,
+    };
+    // SAFETY: the caller's contract.
+    unsafe { i16_dispatch(vnni, kind, &rows, x, t0, n, cols, out, stride) }
+}
+
+/// [`rows_i16`] on `rows`: the kernel instance of `kind`, `vnni` and the inputs' planes.
+///
+/// # Safety
+/// As for [`rows_i16`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn i16_dispatch(
+    vnni: bool,
+    kind: WeightFormat,
+    rows: &RowsOf<'_>,
+    x: &crate::kernels::inputs::I16Inputs,
+    t0: usize,
+    n: usize,
+    cols: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     let grouped = i16_order_checked(kind, x);
     macro_rules! go {
         ($c:ty) => {
             // SAFETY: the caller's contract (AVX-VNNI available when `vnni`).
             unsafe {
                 match (vnni, x.hi_only) {
-                    (false, false) => i16_rows::<$c, true>(
-                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
-                    ),
-                    (false, true) => i16_rows::<$c, false>(
-                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
-                    ),
-                    (true, false) => i16_rows_vnni::<$c, true>(
-                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
-                    ),
-                    (true, true) => i16_rows_vnni::<$c, false>(
-                        data, rb, scales, per_row, x, t0, n, cols, grouped, out, stride,
-                    ),
+                    (false, false) => {
+                        i16_rows::<$c, true>(rows, x, t0, n, cols, grouped, out, stride)
+                    }
+                    (false, true) => {
+                        i16_rows::<$c, false>(rows, x, t0, n, cols, grouped, out, stride)
+                    }
+                    (true, false) => {
+                        i16_rows_vnni::<$c, true>(rows, x, t0, n, cols, grouped, out, stride)
+                    }
+                    (true, true) => {
+                        i16_rows_vnni::<$c, false>(rows, x, t0, n, cols, grouped, out, stride)
+                    }
                 }
             }
         };
