@@ -12,7 +12,7 @@
 //! over the columns in order, then [`hsum`]. So a matrix-vector product (4 rows by 1 input)
 //! equals the matching row of a matrix product bit for bit, at any width. (Eight rows by one
 //! input measured slower in a decode than four: 40-45 against 45-49 BF16 tokens/s, more
-//! streams than the prefetchers follow; four equal the single-row tile.)
+//! streams than the prefetchers follow; four are within noise of the single-row tile.)
 
 use std::arch::x86_64::*;
 
