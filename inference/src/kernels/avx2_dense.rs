@@ -9,7 +9,7 @@
 //! tinyBLAS uses on AVX2).
 //!
 //! Every output sums its row and input in one order whatever the tile: one 8-lane accumulator
-//! over the columns in order, then [`hsum`]. So a matrix-vector product (4 rows by 1 input)
+//! over the columns in order, then `x86::hsum`. So a matrix-vector product (4 rows by 1 input)
 //! equals the matching row of a matrix product bit for bit, at any width. (Eight rows by one
 //! input measured slower in a decode than four: 40-45 against 45-49 BF16 tokens/s, more
 //! streams than the prefetchers follow; four are within noise of the single-row tile.)
@@ -17,6 +17,9 @@
 use std::arch::x86_64::*;
 
 use deltafin_formats::WeightFormat;
+
+use crate::kernels::shape::strided_rows;
+use crate::kernels::x86::hsum;
 
 /// A format whose values are the weights themselves (no block scales), 8 at a time as f32.
 trait Unscaled {
@@ -69,15 +72,6 @@ pub(crate) fn supports(kind: WeightFormat) -> bool {
         kind,
         WeightFormat::F32 | WeightFormat::Bf16 | WeightFormat::F16
     )
-}
-
-/// The sum of `v`'s lanes, in a fixed order.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
 /// The `R` rows from `p` (`rb` bytes apart) against the `N` inputs at `x` (`cols` apart):
@@ -217,8 +211,8 @@ pub(crate) unsafe fn rows(
     if n == 0 || out.len() < n {
         return;
     }
-    let rows = (out.len() - n) / stride + 1;
-    assert!(data.len() >= rows * rb && x.len() >= (t0 + n) * cols && cols.is_multiple_of(32));
+    let rows = strided_rows(out.len(), n, stride);
+    assert!(x.len() >= (t0 + n) * cols && cols.is_multiple_of(32));
     assert!(rows == 1 || n <= stride);
     // SAFETY: the caller's contract, the sizes checked above.
     unsafe {

@@ -44,6 +44,16 @@ pub(crate) fn l1_input_chunk_of(per_input: usize, width: usize) -> usize {
     (L1_INPUT_BYTES / per_input.max(1)).max(width) / width * width
 }
 
+/// Rows of a strided output of `len` values holding `n` per row, `stride` apart (the last
+/// row's `n` values end the slice): `(rows - 1) * stride + n == len`; 0 without inputs.
+pub(crate) fn strided_rows(len: usize, n: usize, stride: usize) -> usize {
+    if n == 0 || len < n {
+        0
+    } else {
+        (len - n) / stride.max(1) + 1
+    }
+}
+
 /// Hints the CPU to bring `bytes` into L2 (a few KiB at a time: a long burst of prefetches
 /// outruns the miss buffers and is dropped).
 pub(crate) fn prefetch_l2(bytes: &[u8]) {

@@ -19,11 +19,12 @@ use std::arch::x86_64::*;
 use crate::kernels::scalar::MXFP4_X2;
 use deltafin_formats::WeightFormat;
 
-use crate::kernels::shape::{KernelShape, BLOCK};
+use crate::kernels::shape::{strided_rows, KernelShape, BLOCK};
 
+/// The sum of `v`'s lanes, in a fixed order.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn hsum(v: __m256) -> f32 {
+pub(crate) fn hsum(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps(v, 1);
     let s = _mm_add_ps(lo, hi);
@@ -355,11 +356,7 @@ pub unsafe fn rows_f32_inputs(
     stride: usize,
 ) {
     debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols) && n <= out.len());
-    let rows = if n == 0 {
-        0
-    } else {
-        (out.len() - n) / stride + 1
-    };
+    let rows = strided_rows(out.len(), n, stride);
     debug_assert!(rows <= 1 || n <= stride);
     debug_assert!(data.len() >= rows * rb && scales.len() >= rows * per_row);
     debug_assert!(x.len() >= (t0 + n) * cols);
@@ -1137,11 +1134,7 @@ pub unsafe fn rows_i16(
     stride: usize,
 ) {
     debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols) && n <= out.len());
-    let rows = if n == 0 {
-        0
-    } else {
-        (out.len() - n) / stride + 1
-    };
+    let rows = strided_rows(out.len(), n, stride);
     debug_assert!(rows <= 1 || n <= stride);
     debug_assert!(data.len() >= rows * rb && scales.len() >= rows * per_row);
     debug_assert!(per_row >= cols / BLOCK && x.hi.len() >= (t0 + n) * cols);
