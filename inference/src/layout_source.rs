@@ -319,6 +319,12 @@ impl LayoutSource {
         self.store.set_cap(bytes);
     }
 
+    /// Allocate the expert budget's free part as buffers and fault them in now, on `threads`
+    /// threads; returns the bytes (`ExpertStore::preallocate_buffers`).
+    pub fn preallocate_expert_buffers(&self, threads: usize) -> u64 {
+        self.store.preallocate_buffers(threads)
+    }
+
     /// The largest routed-expert record as read (the expert memory budget must hold it).
     pub fn largest_expert_record(&self) -> u64 {
         self.manifest().largest_expert_record()

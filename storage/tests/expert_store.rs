@@ -130,3 +130,43 @@ fn one_read_at_a_time_serves_every_expert() {
         }
     });
 }
+
+/// Preallocated spare buffers fill the free budget (at most one per expert, whatever the
+/// cap), stay within it, and every read into one of them (a reused, already-touched buffer)
+/// still hands over exactly the checkpoint's bytes, over evictions.
+#[test]
+fn preallocated_buffers_stay_in_budget_and_serve_exact_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (store, ckpt) = setup(
+        tmp.path(),
+        StoreOptions {
+            threads_per_drive: 2,
+            buffer_cap_bytes: 0,
+            ..StoreOptions::default()
+        },
+    );
+    within_a_minute("preallocated buffers", move || {
+        let sources = expert_sources(&ckpt, &naming()).unwrap();
+        let largest = store.manifest().largest_expert_record();
+        let experts = store.manifest().expert_records().count() as u64;
+        // A huge cap: no more than one buffer per expert.
+        store.set_cap(1 << 40);
+        assert_eq!(store.preallocate_buffers(2), experts * largest);
+        // A cap of three experts (and a bit): three buffers, nothing more on a second call.
+        let tmp2 = tempfile::tempdir().unwrap();
+        let (small, _) = setup(tmp2.path(), StoreOptions::default());
+        small.set_cap(3 * largest + largest / 2);
+        assert_eq!(small.preallocate_buffers(3), 3 * largest);
+        assert_eq!(small.preallocate_buffers(3), 0);
+        let all: Vec<u32> = (0..MODEL_A.experts as u32).collect();
+        for layer in MODEL_A.first_moe as u32..MODEL_A.layers as u32 {
+            for e in &all {
+                fetch_and_check(&small, &ckpt, &sources, layer, &[*e]);
+                let s = small.stats();
+                assert!(s.expert_memory_bytes <= s.expert_memory_cap, "{s:?}");
+            }
+        }
+        assert!(small.stats().fetch.evictions > 0);
+        fetch_and_check(&store, &ckpt, &sources, MODEL_A.first_moe as u32, &all);
+    });
+}

@@ -24,6 +24,11 @@ pub struct Budget {
     pub stream_buffers: u64,
     /// Expert buffers: reads in flight, prefetched and cached experts.
     pub expert_memory: u64,
+    /// Of those, bytes allocated and faulted in before generating (spare buffers of the
+    /// largest expert's size, at most one per expert): 0 until [`plan_budget`] applies it.
+    pub expert_memory_preallocated: u64,
+    /// Milliseconds that took.
+    pub expert_memory_preallocate_ms: u64,
 }
 
 /// The split of `ram_budget` for `model` over `src`, for `max_positions` positions prefilled
@@ -68,11 +73,14 @@ pub fn split_budget(
         scratch_reserve,
         stream_buffers,
         expert_memory,
+        expert_memory_preallocated: 0,
+        expert_memory_preallocate_ms: 0,
     })
 }
 
 /// [`split_budget`] with the process's resident set now, applied: the layout's expert buffers
-/// get their share.
+/// get their share, allocated and faulted in now on the compute threads' count of threads
+/// (see `ExpertStore::preallocate_buffers`).
 pub fn plan_budget(
     model: &Model,
     src: &LayoutSource,
@@ -84,7 +92,10 @@ pub fn plan_budget(
     let base = rss_bytes()
         .unwrap_or(0)
         .saturating_sub(src.stream_stats().buffer_bytes);
-    let b = split_budget(model, src, ram_budget, base, max_positions, chunk)?;
+    let mut b = split_budget(model, src, ram_budget, base, max_positions, chunk)?;
     src.set_expert_memory_cap(b.expert_memory);
+    let t = std::time::Instant::now();
+    b.expert_memory_preallocated = src.preallocate_expert_buffers(rayon::current_num_threads());
+    b.expert_memory_preallocate_ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
     Ok(b)
 }

@@ -136,6 +136,18 @@ impl<B: CacheBuffer> ExpertCache<B> {
         self.cap = cap;
     }
 
+    /// Keep `buf` as a spare if the budget has room for it, else hand it back.
+    pub fn add_spare(&mut self, buf: B) -> Result<(), B> {
+        let bytes = buf.bytes();
+        if self.used.saturating_add(bytes) > self.cap {
+            return Err(buf);
+        }
+        self.used += bytes;
+        self.counters.peak_bytes = self.counters.peak_bytes.max(self.used);
+        self.spare.push(buf);
+        Ok(())
+    }
+
     /// Bytes of expert buffers held: landed, reserved for reads in flight, spare.
     pub fn used(&self) -> u64 {
         self.used
@@ -509,6 +521,21 @@ mod tests {
         // tail starts.
         assert!(lfu >= 16 * 200 + 16 * 9, "lfu {lfu}");
         assert!(lru <= 16 * 9 + 16, "lru {lru}");
+    }
+
+    #[test]
+    fn spares_count_in_the_budget_and_are_reused_before_new_bytes() {
+        let mut c = ExpertCache::<Buf>::new(250, CachePolicy::Lru);
+        assert!(c.add_spare(Buf(100)).is_ok());
+        assert!(c.add_spare(Buf(100)).is_ok());
+        assert_eq!(c.add_spare(Buf(100)), Err(Buf(100)), "over the cap");
+        assert_eq!(c.used(), 200);
+        // Two reads take the spares, a third the 50 bytes left is too small for, then none.
+        assert_eq!(c.reserve((1, 0), 100, false, &|_| true), Ok(Some(Buf(100))));
+        assert_eq!(c.reserve((1, 1), 60, false, &|_| true), Ok(Some(Buf(100))));
+        assert_eq!(c.reserve((1, 2), 50, false, &|_| true), Ok(None));
+        assert_eq!(c.used(), 250);
+        assert_eq!(c.reserve((1, 3), 10, false, &|_| true), Err(NoRoom));
     }
 
     #[test]

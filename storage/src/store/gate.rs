@@ -1,18 +1,25 @@
 //! [`PrefetchGate`]: scores next-layer predictions against what the layer then asks for, and
-//! closes while they are too often wrong.
+//! lets through only the ranks of a prediction that are right often enough.
 //!
 //! A wrong prefetch that has started costs drive bandwidth, the bottleneck when decoding is
-//! I/O-bound: on the synthetic medium model (precision ~0.6, 4 throttled drives) prefetching read
-//! 31% more bytes per token and decoded 34% slower than not prefetching
-//! (`benches/results/gen_extras_ungated_prefetch.json`). Predictions keep being scored while the
-//! gate is closed, so prefetching resumes if they become accurate.
+//! I/O-bound: on the synthetic medium model (precision ~0.6 over all eight predicted experts, 4
+//! throttled drives) prefetching every prediction read 31% more bytes per token and decoded 34%
+//! slower than not prefetching (`benches/results/gen_extras_ungated_prefetch.json`). But a
+//! prediction is ordered likeliest first and its first ranks are right far more often than its
+//! last, while reads of them fill the time the drive would otherwise sit idle between one
+//! layer's last read and the next layer's first demand. So precision is measured per rank and
+//! each rank is gated on its own. Predictions keep being scored while a rank is closed, so it
+//! reopens if it becomes accurate.
 
 use std::collections::HashMap;
 
-/// Prefetch reads are only issued while the measured precision stays at or above this.
+/// A rank's prefetch reads are only issued while its measured precision stays at or above this.
 pub const PREFETCH_MIN_PRECISION: f64 = 0.75;
-/// Predictions scored before the gate may close.
+/// Predictions scored at a rank before its gate may close.
 pub const PREFETCH_WARMUP: u64 = 8;
+/// Ranks measured apart; later ones (a prefill chunk's union of many positions' experts) share
+/// the last.
+const RANKS: usize = 64;
 
 /// How one layer's prediction compared with its request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -22,15 +29,29 @@ pub struct Score {
     pub correct: u64,
 }
 
+/// Moving average of how often one rank's prediction was then requested.
+#[derive(Clone, Copy, Debug)]
+struct RankPrecision {
+    ema: f64,
+    scored: u64,
+}
+
+impl RankPrecision {
+    fn open(&self) -> bool {
+        self.scored < PREFETCH_WARMUP || self.ema >= PREFETCH_MIN_PRECISION
+    }
+}
+
 /// The prediction scorer and gate (no I/O).
 #[derive(Debug, Clone)]
 pub struct PrefetchGate {
     /// Experts predicted per layer, until that layer is requested.
     predicted: HashMap<u32, Vec<u32>>,
-    /// Moving average of the fraction of predicted experts that were then requested.
+    /// Moving average of the fraction of predicted experts that were then requested (all
+    /// ranks: the figure reported).
     precision_ema: f64,
-    /// Predictions scored so far.
-    scored: u64,
+    /// Per rank of a prediction (likeliest first).
+    ranks: Vec<RankPrecision>,
 }
 
 impl Default for PrefetchGate {
@@ -38,35 +59,67 @@ impl Default for PrefetchGate {
         PrefetchGate {
             predicted: HashMap::new(),
             precision_ema: 1.0,
-            scored: 0,
+            ranks: vec![
+                RankPrecision {
+                    ema: 1.0,
+                    scored: 0
+                };
+                RANKS
+            ],
         }
     }
 }
 
 impl PrefetchGate {
-    /// Record a prediction for `layer`; returns whether to read it.
-    pub fn predict(&mut self, layer: u32, experts: &[u32]) -> bool {
+    /// Record a prediction for `layer` (likeliest first); returns the experts worth reading:
+    /// those at ranks still accurate enough, in the prediction's order.
+    pub fn predict(&mut self, layer: u32, experts: &[u32]) -> Vec<u32> {
         self.predicted.insert(layer, experts.to_vec());
-        self.open()
+        experts
+            .iter()
+            .enumerate()
+            .filter(|&(rank, _)| self.rank(rank).open())
+            .map(|(_, &e)| e)
+            .collect()
     }
 
-    /// Whether predictions are accurate enough to act on.
+    fn rank(&self, rank: usize) -> &RankPrecision {
+        &self.ranks[rank.min(RANKS - 1)]
+    }
+
+    /// Whether the likeliest prediction is accurate enough to act on.
     pub fn open(&self) -> bool {
-        self.scored < PREFETCH_WARMUP || self.precision_ema >= PREFETCH_MIN_PRECISION
+        self.rank(0).open()
     }
 
     pub fn precision(&self) -> f64 {
         self.precision_ema
     }
 
+    /// The measured precision of each rank, likeliest first, up to the last one scored.
+    pub fn rank_precisions(&self) -> Vec<f64> {
+        let n = self
+            .ranks
+            .iter()
+            .rposition(|r| r.scored > 0)
+            .map_or(0, |i| i + 1);
+        self.ranks[..n].iter().map(|r| r.ema).collect()
+    }
+
     /// `layer` asks for `experts`: score its prediction, if there was one.
     pub fn score(&mut self, layer: u32, experts: &[u32]) -> Option<Score> {
         let pred = self.predicted.remove(&layer)?;
-        let correct = pred.iter().filter(|e| experts.contains(e)).count() as u64;
+        let mut correct = 0u64;
+        for (rank, e) in pred.iter().enumerate() {
+            let hit = experts.contains(e);
+            correct += u64::from(hit);
+            let r = &mut self.ranks[rank.min(RANKS - 1)];
+            r.ema = 0.9 * r.ema + if hit { 0.1 } else { 0.0 };
+            r.scored += 1;
+        }
         if !pred.is_empty() {
             let p = correct as f64 / pred.len() as f64;
             self.precision_ema = 0.9 * self.precision_ema + 0.1 * p;
-            self.scored += 1;
         }
         Some(Score {
             predicted: pred.len() as u64,
@@ -84,7 +137,8 @@ mod tests {
     fn closes_on_bad_predictions_and_reopens_on_good_ones() {
         let mut g = PrefetchGate::default();
         for i in 0..PREFETCH_WARMUP + 10 {
-            assert_eq!(g.predict(1, &[1, 2]), i < PREFETCH_WARMUP, "step {i}");
+            let open = !g.predict(1, &[1, 2]).is_empty();
+            assert_eq!(open, i < PREFETCH_WARMUP, "step {i}");
             let s = g.score(1, &[5, 6]).unwrap_or_default();
             assert_eq!((s.predicted, s.correct), (2, 0));
         }
@@ -97,5 +151,27 @@ mod tests {
         }
         assert!(steps < 30, "reopened after {steps} good predictions");
         assert_eq!(g.score(9, &[1]), None, "no prediction for layer 9");
+    }
+
+    #[test]
+    fn a_precise_first_rank_stays_open_while_a_wrong_last_rank_closes() {
+        let mut g = PrefetchGate::default();
+        for _ in 0..PREFETCH_WARMUP + 20 {
+            g.predict(4, &[10, 11, 12]);
+            // The first two ranks are always right, the third never.
+            g.score(4, &[10, 11, 20]);
+        }
+        assert_eq!(g.predict(4, &[30, 31, 32]), vec![30, 31]);
+        let p = g.rank_precisions();
+        assert_eq!(p.len(), 3);
+        assert!(
+            p[0] > 0.99 && p[1] > 0.99 && p[2] < PREFETCH_MIN_PRECISION,
+            "{p:?}"
+        );
+        assert!(
+            (g.precision() - 2.0 / 3.0).abs() < 0.05,
+            "{}",
+            g.precision()
+        );
     }
 }

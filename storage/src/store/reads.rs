@@ -46,14 +46,12 @@ impl LandedExpert<'_> {
 impl ExpertStore {
     /// Start reading `experts` of `layer` on the prefetch lane (those not cached or in flight),
     /// likeliest first, as far as the budget allows without evicting experts of `layer` or the
-    /// layer before it; nothing while the predictions' measured precision is too low.
+    /// layer before it; only the prediction's ranks whose measured precision is high enough.
     pub fn prefetch(&self, layer: u32, experts: &[u32]) {
         let mut st = self.lock();
-        if !st.gate.predict(layer, experts) {
-            st.stats.prefetch_gated += experts.len() as u64;
-            return;
-        }
-        for &e in experts {
+        let wanted = st.gate.predict(layer, experts);
+        st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
+        for e in wanted {
             let key = (layer, e);
             if st.cache.contains(key) {
                 continue;

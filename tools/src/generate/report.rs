@@ -116,9 +116,12 @@ pub(crate) fn summary(m: &Measured, loaded: &Loaded, prompt_len: usize) -> Strin
         }
         if let Some(b) = &loaded.budget {
             s.push_str(&format!(
-                " (budget {}, expert buffers {})",
+                " (budget {}, expert buffers {}, {} of them allocated before the prompt in \
+                 {:.2} s)",
                 human(b.ram_budget),
-                human(b.expert_memory)
+                human(b.expert_memory),
+                human(b.expert_memory_preallocated),
+                b.expert_memory_preallocate_ms as f64 / 1e3
             ));
         }
     }
