@@ -11,10 +11,11 @@
 # drive whose rate is known, as an SSD's is.
 #
 # Overlap of deltafin's reads and compute, per decoded token:
-#   I/O time     = bytes read per decoded token / the drive's rate: the throttle, or (the
-#                  virtual disk) what fio reads of the layout's data file in the engine's
-#                  pattern (O_DIRECT pread, 512 KiB random pieces, one job per engine thread)
-#                  in the same minute
+#   I/O time     = bytes read per decoded token / the drive's rate: the throttle (deltafin
+#                  then also paces its reads to it: --pace-drives), or (the virtual disk) the
+#                  mean of what fio reads of the layout's data file in the engine's pattern
+#                  (O_DIRECT pread, 512 KiB random pieces, one job per engine thread) just
+#                  before and just after the run
 #   compute time = decode time per token of the same model in RAM (`bench compute`, median)
 #   ratio        = decode time per token / max(I/O time, compute time)       (target <= 1.1)
 # The drive's busy time (a read outstanding) is recorded too. Writes
@@ -86,18 +87,29 @@ for f in "${formats[@]}"; do
     compute_tps=$("$bin" bench compute "$model" --prompt 1 --decode "$DECODE" --runs 3 --json 2>/dev/null |
         tail -1 | python3 -c "import json,sys; print(json.loads(sys.stdin.read())['decode_tokens_per_s_median'])")
     for ((r = 0; r < ROUNDS; r++)); do
-        # The drive's rate for deltafin's reads: the throttle, or fio in the same pattern.
-        drop
-        if [ -n "$THROTTLE" ]; then
-            rate=$THROTTLE
-        else
-            rate=$(fio --name=r --filename="$drive/ds-$f/data.bin" --rw=randread --bs=512k --direct=1 \
+        # The drive's rate for deltafin's reads: the throttle, or fio in the same pattern just
+        # before and just after the run (the virtual disk's rate drifts by a third between
+        # minutes): their mean.
+        fio_rate() {
+            drop
+            fio --name=r --filename="$drive/ds-$f/data.bin" --rw=randread --bs=512k --direct=1 \
                 --ioengine=psync --numjobs=$THREADS_PER_DRIVE --runtime=8 --time_based --group_reporting \
-                --output-format=json 2>/dev/null | python3 -c "import json,sys; print(json.load(sys.stdin)['jobs'][0]['read']['bw_bytes'])")
+                --output-format=json 2>/dev/null | python3 -c "import json,sys; print(json.load(sys.stdin)['jobs'][0]['read']['bw_bytes'])"
+        }
+        if [ -n "$THROTTLE" ]; then
+            rate=$THROTTLE; rate_before=$THROTTLE
+            # deltafin paces its own reads to the throttle too: the blkio throttle credits a
+            # drive's idle time to the next read, which a real drive does not.
+            pace=(--pace-drives "$THROTTLE")
+        else
+            rate_before=$(fio_rate); pace=()
         fi
         drop
-        in_cap "$bin" generate --model "$drive/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos \
-            --ram-budget "$cap" --threads-per-drive $THREADS_PER_DRIVE --json -q 2>/dev/null | tail -1 | python3 -c "
+        out=$(in_cap "$bin" generate --model "$drive/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos \
+            --ram-budget "$cap" --threads-per-drive $THREADS_PER_DRIVE "${pace[@]}" --json -q 2>/dev/null | tail -1)
+        if [ -n "$THROTTLE" ]; then rate_after=$THROTTLE; else rate_after=$(fio_rate); fi
+        rate=$(( (rate_before + rate_after) / 2 ))
+        echo "$out" | python3 -c "
 import json, sys
 x = json.loads(sys.stdin.read())
 s = x['decode_s_per_token']
@@ -111,6 +123,9 @@ print(json.dumps({'engine': 'deltafin', 'format': '$f', 'round': $r, 'cap_bytes'
                   'decode_io_stall_s': x.get('decode_io_stall_s'),
                   'decode_expert_cache_hit_rate': x.get('decode_expert_cache_hit_rate'),
                   'drive_rate_bytes_per_s': $rate, 'drive_rate_source': 'throttle' if '$THROTTLE' else 'fio',
+                  'drive_rate_before_after': [$rate_before, $rate_after],
+                  'expert_memory_preallocated': x.get('budget', {}).get('expert_memory_preallocated'),
+                  'expert_memory_preallocate_s': x.get('budget', {}).get('expert_memory_preallocate_ms', 0) / 1e3,
                   'drive_busy_s_per_token': busy_s / n, 'tokens': n,
                   'io_s_per_token': io_s, 'compute_s_per_token': compute_s, 'decode_s_per_token': s,
                   'overlap_ratio': s / max(io_s, compute_s)}))" >> "$raw"

@@ -8,11 +8,11 @@
 
 use deltafin_formats::WeightFormat;
 
-use crate::kernels::avx2_dense;
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::Isa;
 use crate::kernels::shape::{l1_input_chunk, l1_input_chunk_of, KernelShape, BLOCK};
 use crate::kernels::x86;
+use crate::kernels::{avx2_dense, avx2_q8};
 
 /// A task's rows `r0..r0 + nr` of a matrix (`rb` bytes each in `data`) with the f32 scales of
 /// its rows `s0..nr` (`per_row` each, task-relative).
@@ -71,7 +71,7 @@ pub(crate) fn rows(
             // holds `n >= t0 + nn` inputs (checked by `matmul`); `out` ends at the last row's
             // output `t0 + nn - 1`, with `nn <= n` (the stride).
             Inputs::I16(xq) => unsafe {
-                x86::rows_i16(vnni, kind, rows, rb, sc, per_row, xq, t0, nn, cols, out, n)
+                avx2_q8::rows_i16(vnni, kind, rows, rb, sc, per_row, xq, t0, nn, cols, out, n)
             },
             // SAFETY: as above (`supports`: the dense tiles take the format).
             Inputs::F32(xf) if avx2_dense::supports(kind) => unsafe {

@@ -13,7 +13,7 @@ use crate::kernels::scalar;
 use crate::kernels::scales::{group_scale_bytes, row_scales};
 use crate::kernels::shape::{l1_input_chunk, prefetch_l2, KernelShape, BLOCK};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{x86, x86_avx512, x86_avx512_bf16};
+use crate::kernels::{avx2_q8, x86, x86_avx512, x86_avx512_bf16};
 use crate::linear::matrix::WeightMatrix;
 
 /// One row against `n` inputs: `out[t] = dot(W[row], x[t])`.
@@ -95,7 +95,22 @@ fn row_dot(
             if simd && isa.has_avx2() {
                 // SAFETY: `has_avx2` means AVX2, FMA and F16C were detected; the slices are
                 // as for the AVX-512 kernel above.
-                unsafe { x86::row_i16(isa == Isa::AvxVnni, kind, row, scales, x, 0, cols, n, out) };
+                unsafe {
+                    avx2_q8::rows_i16(
+                        isa == Isa::AvxVnni,
+                        kind,
+                        row,
+                        row.len(),
+                        scales,
+                        cols / BLOCK,
+                        x,
+                        0,
+                        n,
+                        cols,
+                        &mut out[..n],
+                        n,
+                    )
+                };
                 return;
             }
             scalar::row_i16(kind, row, scales, x, cols, n, out)

@@ -47,6 +47,10 @@ pub struct I16Inputs {
     /// the AVX-512 tiles skip the low plane (half the integer products). Every other kernel
     /// reads the zeros and gives the same values.
     pub hi_only: bool,
+    /// `[n, cols]` the 16-bit values `256 * hi + lo` in natural element order, for Q8 on AVX2
+    /// without VNNI (`kernels/avx2_q8.rs`: sign-extended codes times these in `vpmaddwd`,
+    /// instead of the sign trick on each plane); empty otherwise.
+    pub wide: Vec<i16>,
 }
 
 /// Position of element `i` of a 32-block in the kernels' input order for `kind`.

@@ -50,6 +50,8 @@ mod aarch64;
 #[cfg(target_arch = "x86_64")]
 mod avx2_dense;
 #[cfg(target_arch = "x86_64")]
+mod avx2_q8;
+#[cfg(target_arch = "x86_64")]
 mod avx2_rows;
 pub(crate) mod bf16;
 pub mod dispatch;

@@ -50,6 +50,7 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
         d: vec![0.0; blocks],
         dsums: vec![0.0; blocks],
         hi_only: false,
+        wide: Vec::new(),
     };
     let extra = if matches!(kind, WeightFormat::Mxfp4 { .. }) {
         0.5
@@ -88,7 +89,31 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
         (out.d[b], out.dsums[b]) =
             quantize_block(isa, xb, extra, r, base, &mut out.hi, &mut out.lo);
     }
+    if matches!(kind, WeightFormat::Q8 { .. }) && isa == Isa::Avx2 {
+        out.wide = wide_values(kind, cols, &out);
+    }
     out
+}
+
+/// The 16-bit values `256 * hi + lo` of `q` in natural element order ([`I16Inputs::wide`]):
+/// `hi` in -127..=127 and `lo` in -128..=127 keep them inside i16.
+fn wide_values(kind: WeightFormat, cols: usize, q: &I16Inputs) -> Vec<i16> {
+    let slots: Vec<usize> = (0..cols)
+        .map(|e| i16_slot(kind, cols, q.order, e))
+        .collect();
+    let mut wide = vec![0i16; q.hi.len()];
+    for ((w, hi), lo) in wide
+        .chunks_exact_mut(cols)
+        .zip(q.hi.chunks_exact(cols))
+        .zip(q.lo.chunks_exact(cols))
+    {
+        for (w, &s) in w.iter_mut().zip(&slots) {
+            let v = 256 * i32::from(hi[s]) + i32::from(lo[s]);
+            debug_assert!(i16::try_from(v).is_ok(), "16-bit input {v}");
+            *w = v.clamp(i16::MIN.into(), i16::MAX.into()) as i16;
+        }
+    }
+    wide
 }
 
 /// One 32-block of [`quantize_inputs_i16`] written to its two runs of 16 slots from `base`
@@ -169,6 +194,8 @@ pub fn quantize_inputs_i8_planes(
         }
         lo.fill(0);
     }
+    // The 16-bit copy held the low plane too.
+    q.wide = Vec::new();
     for ((ds, &d), sum) in q.dsums.iter_mut().zip(&q.d).zip(sums) {
         *ds = d * sum as f32;
     }
@@ -339,6 +366,38 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The 16-bit copy is Q8's on AVX2 only, holds `256 * hi + lo` of every element in
+    /// natural order, and is dropped with the low plane by the 8-bit planes.
+    #[test]
+    fn wide_inputs_are_the_planes_values() {
+        for kind in INTEGER_KINDS {
+            for cols in [32, 160, 288, 1056] {
+                let n = 2;
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i * 53 % 97) as f32 - 48.0) * if i % 7 == 0 { 9.0 } else { 0.3 })
+                    .collect();
+                for isa in [Isa::Scalar, Isa::Avx2, Isa::best()] {
+                    let q = quantize_inputs_i16(isa, kind, &x, cols);
+                    let wanted = matches!(kind, WeightFormat::Q8 { .. })
+                        && isa == Isa::Avx2
+                        && isa.available();
+                    assert_eq!(!q.wide.is_empty(), wanted, "{isa:?} {kind:?}");
+                    for (i, &w) in q.wide.iter().enumerate() {
+                        let slot = i / cols * cols + i16_slot(kind, cols, q.order, i % cols);
+                        assert_eq!(
+                            i32::from(w),
+                            256 * i32::from(q.hi[slot]) + i32::from(q.lo[slot]),
+                            "{kind:?} {cols} {i}"
+                        );
+                    }
+                    assert!(quantize_inputs_i8_planes(isa, kind, &x, cols)
+                        .wide
+                        .is_empty());
                 }
             }
         }

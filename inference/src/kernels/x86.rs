@@ -827,12 +827,12 @@ impl Dot for VnniDot {
 
 /// Consecutive rows of a matrix for the 16-bit kernels: `count` rows of `rb` bytes in `data`,
 /// each with `per_row` f32 block scales in `scales` (at least `cols / 32` used).
-struct RowsOf<'a> {
-    data: &'a [u8],
-    rb: usize,
-    count: usize,
-    scales: &'a [f32],
-    per_row: usize,
+pub(crate) struct RowsOf<'a> {
+    pub(crate) data: &'a [u8],
+    pub(crate) rb: usize,
+    pub(crate) count: usize,
+    pub(crate) scales: &'a [f32],
+    pub(crate) per_row: usize,
 }
 
 /// One 16-bit row kernel per [`Dot`], each compiled for its instruction set.
@@ -1070,53 +1070,18 @@ i16_row_fn!(
     VnniDot
 );
 
-/// 16-bit-activation row kernel (INT4, MXFP4, Q8) against inputs `t0..t0 + n` of `x`
-/// (`out[t]` for input `t0 + t`); `scales` has one value per 32-block.
+/// 16-bit-activation product (INT4, MXFP4, Q8) of consecutive rows of `data` (`rb` bytes
+/// each, `scales` holding `per_row` block scales per row, one per 32-block) with inputs
+/// `t0..t0 + n` of `x`, input `t0 + t` of row `r` written to `out[r * stride + t]`
+/// (`out.len() == (rows - 1) * stride + n`); each output independent of the other rows and
+/// of how many inputs the call takes.
 ///
 /// # Safety
-/// AVX2, FMA and F16C available, and AVX-VNNI when `vnni`; `kind.simd_shape(cols)`;
-/// `row.len() == kind.row_len(cols)`, `scales.len() >= cols / 32`; `x.hi`/`x.lo` hold at
-/// least `(t0 + n) * cols` codes and `x.d`/`x.dsums` `(t0 + n) * cols / 32` values;
-/// `out.len() >= n`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn row_i16(
-    vnni: bool,
-    kind: WeightFormat,
-    row: &[u8],
-    scales: &[f32],
-    x: &crate::kernels::inputs::I16Inputs,
-    t0: usize,
-    cols: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    debug_assert!(kind.simd_shape(cols) && row.len() == kind.row_len(cols));
-    let blocks = cols / BLOCK;
-    let end = t0 + n;
-    debug_assert!(x.hi.len() >= end * cols && x.lo.len() >= end * cols && out.len() >= n);
-    debug_assert!(x.d.len() >= end * blocks && x.dsums.len() >= end * blocks);
-    debug_assert!(scales.len() >= blocks);
-    let rows = RowsOf {
-        data: row,
-        rb: row.len(),
-        count: 1,
-        scales,
-        per_row: blocks,
-    };
-    // SAFETY: the caller's contract: one row, `n` inputs from `t0`, `n` outputs.
-    unsafe { i16_dispatch(vnni, kind, &rows, x, t0, n, cols, out, n) }
-}
-
-/// 16-bit-activation product of consecutive rows of `data` (`rb` bytes each, `scales` holding
-/// `per_row` block scales per row) with inputs `t0..t0 + n` of `x`, input `t0 + t` of row `r`
-/// written to `out[r * stride + t]` (`out.len() == (rows - 1) * stride + n`): each output
-/// equal to [`row_i16`] on that row and input.
-///
-/// # Safety
-/// As for [`row_i16`] for every row: `data` holds the rows, `rb == kind.row_len(cols)` bytes
-/// each, and `scales` `per_row` values per row, `per_row >= cols / 32`; `x` holds
-/// `t0 + n` inputs; `n <= stride` when there is more than one row.
+/// AVX2, FMA and F16C available, and AVX-VNNI when `vnni`; `kind.simd_shape(cols)`; `data`
+/// holds the rows, `rb == kind.row_len(cols)` bytes each, and `scales` `per_row` values per
+/// row, `per_row >= cols / 32`; `x.hi`/`x.lo` hold at least `(t0 + n) * cols` codes and
+/// `x.d`/`x.dsums` `(t0 + n) * cols / 32` values; `n <= stride` when there is more than one
+/// row.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn rows_i16(
