@@ -23,8 +23,9 @@ pub struct SourceArgs {
     #[arg(long, default_value = "all", value_name = "MODE")]
     pub hash_check: HashCheck,
     /// Layouts: RAM budget for the whole process (resident weights, KV cache, activations, I/O
-    /// buffers and the expert cache); the expert cache gets what the rest leaves. Default: half
-    /// of the memory available at start.
+    /// buffers and the expert cache); the expert cache gets what the rest leaves, allocated and
+    /// faulted in before the prompt (up to one buffer per expert). Default: half of the memory
+    /// available at start.
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub ram_budget: Option<u64>,
     /// Layouts: expert cache policy: lfu (frequency-aware) or lru.
