@@ -107,8 +107,15 @@ pub fn kv_reserve(per_position: u64, fixed: u64, positions: usize) -> u64 {
         .saturating_add(fixed)
 }
 
+/// Memory a process is charged beyond what the budget counts: kernel page tables, the page
+/// cache of the binary and of files read buffered, an evicted expert buffer still held by the
+/// forward pass while its replacement is read. With the expert buffers allocated up front the
+/// process sits at its budget from the first token, and a cgroup memory limit equal to the
+/// budget OOM-killed an INT4 run (cap 745 MB, anonymous RSS 725 MB) without this margin.
+pub const CHARGE_HEADROOM: u64 = 64 << 20;
+
 /// Activations and scratch of one prefill chunk of `chunk` positions attending to up to
-/// `positions`, plus allocator slack.
+/// `positions`, plus allocator slack and [`CHARGE_HEADROOM`].
 pub fn scratch_reserve(cfg: &ModelConfig, chunk: usize, positions: usize) -> u64 {
     let hidden = cfg.hidden_size() as u64;
     let heads = cfg.num_attention_heads() as u64;
@@ -116,6 +123,7 @@ pub fn scratch_reserve(cfg: &ModelConfig, chunk: usize, positions: usize) -> u64
     let inter = cfg.widest_intermediate() as u64;
     let c = chunk.clamp(1, positions.max(1)) as u64;
     (48u64 << 20)
+        .saturating_add(CHARGE_HEADROOM)
         .saturating_add(4u64.saturating_mul(c).saturating_mul(
             hidden * (3 * top_k + 24) + 4 * inter + heads.saturating_mul(positions as u64),
         ))
