@@ -377,7 +377,19 @@ impl WeightSource for LayoutSource {
         // Wait for one expert, then take every other one that is already there (cached, or
         // landed meanwhile): the group is computed in one parallel pass while the drives
         // go on reading the rest.
-        while let Some(landed) = batch.next() {
+        loop {
+            let landed = match batch.next_ready() {
+                Some(l) => l,
+                None if batch.remaining() == 0 => break,
+                None => {
+                    // Waiting for a drive: the compute workers sleep meanwhile.
+                    crate::kernels::pool::pool().rest();
+                    match batch.next() {
+                        Some(l) => l,
+                        None => break,
+                    }
+                }
+            };
             let mut group = vec![landed.map_err(|e| expert_error(layer, first, e))?];
             while let Some(more) = batch.next_ready() {
                 group.push(more.map_err(|e| expert_error(layer, first, e))?);

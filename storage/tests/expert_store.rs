@@ -170,3 +170,41 @@ fn preallocated_buffers_stay_in_budget_and_serve_exact_bytes() {
         fetch_and_check(&store, &ckpt, &sources, MODEL_A.first_moe as u32, &all);
     });
 }
+
+/// A prediction for layer L+1 made before layer L is fetched (the forward's order) is read only
+/// once L's demand reads are all submitted, then lands in time for L+1's fetch; a layer after
+/// one without routed experts is prefetched at once.
+#[test]
+fn next_layer_prefetch_waits_for_the_layer_before_then_serves_its_fetch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (store, ckpt) = setup(tmp.path(), StoreOptions::default());
+    within_a_minute("deferred prefetch", move || {
+        let sources = expert_sources(&ckpt, &naming()).unwrap();
+        store.set_cap(64 << 20);
+        let first = MODEL_A.first_moe as u32;
+        // The layer before the first MoE layer has no routed experts: read now.
+        store.prefetch(first, &[0, 1]);
+        assert_eq!(store.stats().fetch.prefetch_reads, 2);
+        fetch_and_check(&store, &ckpt, &sources, first, &[0, 1]);
+        assert_eq!(store.stats().fetch.prefetch_hits, 2);
+
+        store.prefetch(first + 1, &[2, 3, 4]);
+        assert_eq!(
+            store.stats().fetch.prefetch_reads,
+            2,
+            "held back until the fetch"
+        );
+        fetch_and_check(&store, &ckpt, &sources, first, &[5, 6]);
+        let s = store.stats().fetch;
+        assert_eq!(s.prefetch_reads, 5, "issued behind the demand reads: {s:?}");
+        fetch_and_check(&store, &ckpt, &sources, first + 1, &[2, 3, 4]);
+        assert_eq!(store.stats().fetch.prefetch_hits, 5);
+
+        // A held-back prediction of the layer that is then fetched directly is dropped (its
+        // demand reads cover it), not read twice.
+        store.prefetch(first + 2, &[7, 8]);
+        fetch_and_check(&store, &ckpt, &sources, first + 2, &[7, 8]);
+        fetch_and_check(&store, &ckpt, &sources, first, &[9]);
+        assert_eq!(store.stats().fetch.prefetch_reads, 5);
+    });
+}

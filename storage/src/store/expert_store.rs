@@ -79,6 +79,9 @@ pub(crate) struct StoreState {
     pub cache: ExpertCache<AlignedBuf>,
     pub tickets: HashMap<ExpertKey, Ticket>,
     pub gate: PrefetchGate,
+    /// A next-layer prefetch held back until the current layer's demand reads are submitted
+    /// (see [`ExpertStore::prefetch`]): the layer and its experts worth reading.
+    pub deferred_prefetch: Option<(u32, Vec<u32>)>,
     /// Use counter: the cache's notion of time.
     pub clock: u64,
     pub stats: FetchStats,
@@ -159,6 +162,7 @@ impl ExpertStore {
                 cache: ExpertCache::new(opts.buffer_cap_bytes, opts.cache_policy),
                 tickets: HashMap::new(),
                 gate: PrefetchGate::default(),
+                deferred_prefetch: None,
                 clock: 0,
                 stats: FetchStats::default(),
             }),

@@ -47,11 +47,31 @@ impl ExpertStore {
     /// Start reading `experts` of `layer` on the prefetch lane (those not cached or in flight),
     /// likeliest first, as far as the budget allows without evicting experts of `layer` or the
     /// layer before it; only the prediction's ranks whose measured precision is high enough.
+    ///
+    /// The forward predicts layer L+1 before it fetches layer L. Started at once, L+1's reads
+    /// would take the drive ahead of L's demand reads (a read a worker has started is not
+    /// overtaken) and the drive would then sit idle while L's last experts, L+1's attention
+    /// and its router compute. So when the layer before has routed experts here, the reads
+    /// are held back until that layer's demand reads are all submitted ([`ExpertBatch`]) and
+    /// fill that gap instead.
     pub fn prefetch(&self, layer: u32, experts: &[u32]) {
         let mut st = self.lock();
         let wanted = st.gate.predict(layer, experts);
         st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
-        for e in wanted {
+        let fetched_before = layer
+            .checked_sub(1)
+            .is_some_and(|before| self.record_of(before, 0).is_ok());
+        if fetched_before {
+            // A held-back prefetch no fetch claimed is stale by now: replaced.
+            st.deferred_prefetch = Some((layer, wanted));
+        } else {
+            self.issue_prefetch(&mut st, layer, &wanted);
+        }
+    }
+
+    /// Submit prefetch reads of `wanted` (see [`ExpertStore::prefetch`]).
+    pub(crate) fn issue_prefetch(&self, st: &mut StoreState, layer: u32, wanted: &[u32]) {
+        for &e in wanted {
             let key = (layer, e);
             if st.cache.contains(key) {
                 continue;
@@ -60,7 +80,7 @@ impl ExpertStore {
                 continue;
             };
             let evictable = |k: ExpertKey| k.0 != layer && k.0 + 1 != layer;
-            match self.submit(&mut st, key, record, Lane::Prefetch, &evictable) {
+            match self.submit(st, key, record, Lane::Prefetch, &evictable) {
                 Ok(true) => {}
                 Ok(false) | Err(_) => break,
             }
@@ -179,6 +199,10 @@ impl<'s> ExpertBatch<'s> {
             .collect::<Result<Vec<usize>>>()?;
         let n = experts.len();
         st.stats.requests += n as u64;
+        // A prefetch of this very layer still held back: its demand reads follow at once.
+        if st.deferred_prefetch.as_ref().is_some_and(|d| d.0 == layer) {
+            st.deferred_prefetch = None;
+        }
         // Score the prediction for this layer; cancel wrong guesses not yet started.
         if let Some(s) = st.gate.score(layer, experts) {
             st.stats.predicted += s.predicted;
@@ -231,6 +255,11 @@ impl<'s> ExpertBatch<'s> {
             }
         }
         Ok(batch)
+    }
+
+    /// Experts of the batch not handed over yet.
+    pub fn remaining(&self) -> usize {
+        self.delivered.iter().filter(|&&d| !d).count()
     }
 
     fn index_of(&self, e: u32) -> Option<usize> {
@@ -290,6 +319,14 @@ impl<'s> ExpertBatch<'s> {
                 }
             }
             break;
+        }
+        // Every demand read is submitted: now the next layer's held-back prefetch.
+        if self.to_read.is_empty() {
+            if let Some((layer, wanted)) = self.st.deferred_prefetch.take() {
+                if layer != self.layer {
+                    self.store.issue_prefetch(&mut self.st, layer, &wanted);
+                }
+            }
         }
         Ok(())
     }
