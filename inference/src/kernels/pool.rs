@@ -62,6 +62,9 @@ fn pack(generation: u64, index: u64) -> u64 {
     (generation << 32) | index
 }
 
+/// The task index of a generation whose job is being written: no task can be claimed.
+const CLOSED: u64 = 0xffff_ffff;
+
 impl Shared {
     /// Claim and run tasks of generation `generation` until none are left.
     fn work(&self, generation: u64) {
@@ -104,8 +107,9 @@ impl Shared {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
-            let generation = self.next.load(Ordering::Acquire) >> 32;
-            if generation != seen {
+            let cur = self.next.load(Ordering::Acquire);
+            let generation = cur >> 32;
+            if generation != seen && cur & CLOSED != CLOSED {
                 seen = generation;
                 self.work(generation);
                 idle_since = Instant::now();
@@ -194,7 +198,7 @@ impl Pool {
         let s = &*self.shared;
         if tasks == 1
             || self.threads == 1
-            || tasks > u32::MAX as usize
+            || tasks >= CLOSED as usize
             || s.busy
                 .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
@@ -212,8 +216,15 @@ impl Pool {
             0 => 1,
             g => g,
         };
+        // Close the old generation before rewriting `job`: a worker that read the old
+        // generation with its tasks all claimed, then reads the new job (more tasks), would
+        // otherwise claim (old generation, next index) successfully, run a task of the new
+        // pass before it is published and count it in `done` twice, so that `run` could
+        // return before the last task had written its output (seen as flaky wrong tokens).
+        s.next.store(pack(generation, CLOSED), Ordering::SeqCst);
         // SAFETY: `busy` is ours and the previous pass is complete (its `run` waited for
-        // every task), so no thread reads `job` for a task it may still claim.
+        // every task), so no thread reads `job` for a task it may still claim: claims of the
+        // old generation fail from here on, and of the new one only after it is published.
         unsafe {
             *s.job.get() = Job {
                 data: &f as *const F as *const (),
