@@ -68,7 +68,8 @@ impl AlignedBuf {
                     };
                 }
             }
-            alloc::handle_alloc_error(layout)
+            // No mapping (the process's map count limit, vm.max_map_count, with very many
+            // small experts): the heap instead, rather than abort.
         }
         // SAFETY: layout has non-zero size and a power-of-two alignment.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
