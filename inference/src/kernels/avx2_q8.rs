@@ -18,7 +18,7 @@ use deltafin_formats::WeightFormat;
 
 use crate::kernels::inputs::I16Inputs;
 use crate::kernels::shape::{strided_rows, KernelShape};
-use crate::kernels::x86::{self, hsum, RowsOf};
+use crate::kernels::x86::{self, hsum, RowScales, RowsOf, PREFETCH_ROWS, RAW_SCALE_BLOCKS};
 
 const BLOCK: usize = 32;
 
@@ -35,7 +35,7 @@ pub(crate) unsafe fn rows_i16(
     kind: WeightFormat,
     data: &[u8],
     rb: usize,
-    scales: &[f32],
+    scales: RowScales<'_>,
     per_row: usize,
     x: &I16Inputs,
     t0: usize,
@@ -59,7 +59,7 @@ pub(crate) unsafe fn rows_i16(
     // Checked: a panic, not an out-of-bounds read, if a caller breaks the contract.
     assert!(
         data.len() >= count * rb
-            && scales.len() >= count * per_row
+            && scales.holds(count, per_row)
             && per_row >= cols / BLOCK
             && rb >= cols
             && x.wide.len() >= (t0 + n) * cols
@@ -140,9 +140,13 @@ unsafe fn q8_wide<const N: usize>(
     let blocks = cols / BLOCK;
     let xp = wide[..N * cols].as_ptr();
     let d = &d[..N * blocks];
+    let mut sbuf = [0f32; RAW_SCALE_BLOCKS];
     for r in 0..rows.count {
         let row = &rows.data[r * rows.rb..][..cols];
-        let ws = &rows.scales[r * rows.per_row..][..blocks];
+        // The row PREFETCH_ROWS ahead, in software: each task's rows are one short stream
+        // and a decode's experts many of them.
+        x86::prefetch_row(rows, r + PREFETCH_ROWS);
+        let ws = rows.scales.row(r, rows.per_row, blocks, &mut sbuf);
         let out = &mut out_all[r * stride..r * stride + N];
         let p = row.as_ptr();
         let mut acc = [[_mm256_setzero_ps(); 2]; N];

@@ -6,7 +6,7 @@
 //! L2). Every output is the single-row kernel's
 //! value for its row and input, whatever the chunk or loop.
 
-use deltafin_formats::WeightFormat;
+use deltafin_formats::{ScaleType, WeightFormat};
 
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::Isa;
@@ -15,7 +15,9 @@ use crate::kernels::x86;
 use crate::kernels::{avx2_dense, avx2_q8};
 
 /// A task's rows `r0..r0 + nr` of a matrix (`rb` bytes each in `data`) with the f32 scales of
-/// its rows `s0..nr` (`per_row` each, task-relative).
+/// its rows `s0..nr` (`per_row` each, task-relative), and, when `raw` is set, the matrix's own
+/// scale bytes of the task's rows `0..nr` (one per 32-block, `per_row` per row) for the
+/// 16-bit kernels instead.
 #[derive(Debug)]
 pub(crate) struct TaskRows<'a> {
     pub data: &'a [u8],
@@ -25,6 +27,7 @@ pub(crate) struct TaskRows<'a> {
     pub nr: usize,
     pub scales: &'a [f32],
     pub per_row: usize,
+    pub raw: Option<(&'a [u8], ScaleType)>,
 }
 
 /// Rows `first..t.nr` of the task against the prepared inputs `xin` (`n` of `cols`), written to
@@ -48,6 +51,7 @@ pub(crate) fn rows(
         return first;
     }
     let (rb, per_row) = (t.rb, t.per_row);
+    debug_assert!(t.raw.is_none() || matches!(xin, Inputs::I16(_)));
     let blocks = cols / BLOCK;
     let chunk = match xin {
         // The dense tiles take three inputs at a time.
@@ -57,7 +61,14 @@ pub(crate) fn rows(
         Inputs::I8 { .. } | Inputs::Bf16(_) => return first,
     };
     let rows = &t.data[(t.r0 + first) * rb..(t.r0 + t.nr) * rb];
-    let sc = &t.scales[(first - t.s0) * per_row..(t.nr - t.s0) * per_row];
+    let i16_scales = match t.raw {
+        Some((b, st)) => x86::RowScales::Raw(&b[first * per_row * st.size()..], st),
+        None => x86::RowScales::F32(&t.scales[(first - t.s0) * per_row..(t.nr - t.s0) * per_row]),
+    };
+    let sc = match t.raw {
+        Some(_) => &[][..],
+        None => &t.scales[(first - t.s0) * per_row..(t.nr - t.s0) * per_row],
+    };
     let last = (t.nr - first - 1) * n;
     let vnni = isa == Isa::AvxVnni;
     for t0 in (0..n).step_by(chunk.max(1)) {
@@ -71,7 +82,9 @@ pub(crate) fn rows(
             // holds `n >= t0 + nn` inputs (checked by `matmul`); `out` ends at the last row's
             // output `t0 + nn - 1`, with `nn <= n` (the stride).
             Inputs::I16(xq) => unsafe {
-                avx2_q8::rows_i16(vnni, kind, rows, rb, sc, per_row, xq, t0, nn, cols, out, n)
+                avx2_q8::rows_i16(
+                    vnni, kind, rows, rb, i16_scales, per_row, xq, t0, nn, cols, out, n,
+                )
             },
             // SAFETY: as above (`supports`: the dense tiles take the format).
             Inputs::F32(xf) if avx2_dense::supports(kind) => unsafe {

@@ -17,7 +17,7 @@
 use std::arch::x86_64::*;
 
 use crate::kernels::scalar::MXFP4_X2;
-use deltafin_formats::WeightFormat;
+use deltafin_formats::{ScaleType, WeightFormat};
 
 use crate::kernels::shape::{strided_rows, KernelShape, BLOCK};
 
@@ -826,13 +826,143 @@ impl Dot for VnniDot {
 }
 
 /// Consecutive rows of a matrix for the 16-bit kernels: `count` rows of `rb` bytes in `data`,
-/// each with `per_row` f32 block scales in `scales` (at least `cols / 32` used).
+/// each with `per_row` block scales in `scales` (at least `cols / 32` used).
 pub(crate) struct RowsOf<'a> {
     pub(crate) data: &'a [u8],
     pub(crate) rb: usize,
     pub(crate) count: usize,
-    pub(crate) scales: &'a [f32],
+    pub(crate) scales: RowScales<'a>,
     pub(crate) per_row: usize,
+}
+
+/// How many rows ahead the 16-bit row loops prefetch.
+pub(crate) const PREFETCH_ROWS: usize = 4;
+
+/// Row `r` of `rows` (if there is one) into L1, in software.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn prefetch_row(rows: &RowsOf<'_>, r: usize) {
+    if let Some(ahead) = rows.data.get(r * rows.rb..(r + 1) * rows.rb) {
+        for line in (0..ahead.len()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(ahead[line..].as_ptr() as *const i8);
+        }
+    }
+}
+
+/// Block scales of the 16-bit kernels' rows: f32, or the matrix's own scale bytes (one scale
+/// per 32-block), converted row by row inside the kernel. A separate conversion pass per task
+/// (`scales::row_scales`) was 4% of an INT4 decode on AVX2 (perf, the 3.1B synth): a pass of
+/// its own over bytes that stall on DRAM, and a vector written and read back.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RowScales<'a> {
+    F32(&'a [f32]),
+    Raw(&'a [u8], ScaleType),
+}
+
+/// Rows of at most this many 32-blocks take [`RowScales::Raw`] (16384 columns); the row's
+/// scales are converted into a buffer of this size on the stack.
+pub(crate) const RAW_SCALE_BLOCKS: usize = 512;
+
+impl<'a> RowScales<'a> {
+    /// Whether the scales hold `count` rows of `per_row` scales.
+    pub(crate) fn holds(&self, count: usize, per_row: usize) -> bool {
+        match *self {
+            RowScales::F32(s) => s.len() >= count * per_row,
+            RowScales::Raw(b, st) => b.len() >= count * per_row * st.size(),
+        }
+    }
+
+    /// Row `r`'s first `blocks` scales as f32: a slice of the f32 scales, or the raw ones
+    /// converted into `buf`.
+    ///
+    /// # Panics
+    /// If the scales do not hold row `r` (`per_row` scales each, `blocks <= per_row`) or
+    /// `buf` is too short.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(crate) fn row<'b>(
+        &self,
+        r: usize,
+        per_row: usize,
+        blocks: usize,
+        buf: &'b mut [f32; RAW_SCALE_BLOCKS],
+    ) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match *self {
+            RowScales::F32(s) => &s[r * per_row..][..blocks],
+            RowScales::Raw(b, st) => {
+                let sz = st.size();
+                // The scales of a row a few ahead: one line per row, a stream too sparse
+                // beside the rows' for the hardware prefetcher alone (the conversion waited
+                // on DRAM: prefills 4% slower than converting per task).
+                let ahead = b.as_ptr().wrapping_add((r + 4) * per_row * sz);
+                _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+                let bytes = &b[r * per_row * sz..][..blocks * sz];
+                let out = &mut buf[..blocks];
+                raw_scales_to_f32(bytes, st, out);
+                out
+            }
+        }
+    }
+}
+
+/// `out[i]` = scale `i` of `bytes` in type `st` (the exact conversion).
+///
+/// # Panics
+/// If `bytes` holds fewer than `out.len()` scales.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn raw_scales_to_f32(bytes: &[u8], st: ScaleType, out: &mut [f32]) {
+    let n = out.len();
+    assert!(bytes.len() >= n * st.size(), "raw scales: {n} of {st:?}");
+    let p = bytes.as_ptr();
+    let mut i = 0;
+    match st {
+        ScaleType::F16 => {
+            while i + 8 <= n {
+                // SAFETY: scales i..i+8 are 16 bytes inside `bytes` (asserted above); `out`
+                // holds 8 values from `i`.
+                unsafe {
+                    let v = _mm256_cvtph_ps(_mm_loadu_si128(p.add(2 * i) as *const __m128i));
+                    _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+                }
+                i += 8;
+            }
+            for (j, o) in out.iter_mut().enumerate().skip(i) {
+                *o = half::f16::from_bits(u16::from_le_bytes([bytes[2 * j], bytes[2 * j + 1]]))
+                    .to_f32();
+            }
+        }
+        ScaleType::Bf16 => {
+            while i + 8 <= n {
+                // SAFETY: as for F16.
+                unsafe {
+                    let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.add(2 * i) as *const __m128i));
+                    let v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                    _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+                }
+                i += 8;
+            }
+            for (j, o) in out.iter_mut().enumerate().skip(i) {
+                *o = f32::from_bits(
+                    (u16::from_le_bytes([bytes[2 * j], bytes[2 * j + 1]]) as u32) << 16,
+                );
+            }
+        }
+        ScaleType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        ScaleType::E8m0 => {
+            for (o, &e) in out.iter_mut().zip(bytes) {
+                *o = f32::from_bits(deltafin_formats::codec::e8m0_bits(e));
+            }
+        }
+        ScaleType::None => out.fill(1.0),
+    }
 }
 
 /// One 16-bit row kernel per [`Dot`], each compiled for its instruction set.
@@ -872,9 +1002,13 @@ macro_rules! i16_row_fn {
             let (hp, lp) = (hi[..N * cols].as_ptr(), lo[..N * cols].as_ptr());
             let (d, dsums) = (&d[..N * blocks], &dsums[..N * blocks]);
             let quads = blocks / 4;
+            let mut sbuf = [0f32; RAW_SCALE_BLOCKS];
             for r in 0..rows.count {
             let row = &rows.data[r * rows.rb..(r + 1) * rows.rb];
-            let ws = &rows.scales[r * rows.per_row..][..blocks];
+            // The row PREFETCH_ROWS ahead, in software: each task's rows are one short
+            // stream, and a decode's experts many such streams (Q8 decode 7% faster).
+            prefetch_row(rows, r + PREFETCH_ROWS);
+            let ws = rows.scales.row(r, rows.per_row, blocks, &mut sbuf);
             let out = &mut out_all[r * stride..r * stride + N];
             let p = row.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 2]; N];
@@ -1079,7 +1213,8 @@ i16_row_fn!(
 /// # Safety
 /// AVX2, FMA and F16C available, and AVX-VNNI when `vnni`; `kind.simd_shape(cols)`; `data`
 /// holds the rows, `rb == kind.row_len(cols)` bytes each, and `scales` `per_row` values per
-/// row, `per_row >= cols / 32`; `x.hi`/`x.lo` hold at least `(t0 + n) * cols` codes and
+/// row, `per_row >= cols / 32` (raw scales: `cols / 32 <= RAW_SCALE_BLOCKS`, checked: a
+/// panic); `x.hi`/`x.lo` hold at least `(t0 + n) * cols` codes and
 /// `x.d`/`x.dsums` `(t0 + n) * cols / 32` values; `n <= stride` when there is more than one
 /// row.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -1089,7 +1224,7 @@ pub unsafe fn rows_i16(
     kind: WeightFormat,
     data: &[u8],
     rb: usize,
-    scales: &[f32],
+    scales: RowScales<'_>,
     per_row: usize,
     x: &crate::kernels::inputs::I16Inputs,
     t0: usize,
@@ -1101,7 +1236,7 @@ pub unsafe fn rows_i16(
     debug_assert!(kind.simd_shape(cols) && rb == kind.row_len(cols) && n <= out.len());
     let rows = strided_rows(out.len(), n, stride);
     debug_assert!(rows <= 1 || n <= stride);
-    debug_assert!(data.len() >= rows * rb && scales.len() >= rows * per_row);
+    debug_assert!(data.len() >= rows * rb && scales.holds(rows, per_row));
     debug_assert!(per_row >= cols / BLOCK && x.hi.len() >= (t0 + n) * cols);
     debug_assert!(x.lo.len() >= (t0 + n) * cols && x.d.len() >= (t0 + n) * (cols / BLOCK));
     let rows = RowsOf {

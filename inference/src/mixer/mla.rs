@@ -386,8 +386,11 @@ impl TokenMixer for MlaAttention {
             let mut row = vec![0f32; kl];
             let mut scales = Vec::new();
             let mut out = vec![0f32; n * vd];
-            let mut q_abs = vec![0f32; MLA_TILE * kl];
-            let mut ctx = vec![0f32; MLA_TILE * kl];
+            // A tile's positions, at most `n` (decode: one; zeroing 16 positions' buffers per
+            // head was a visible share of a decode token's attention).
+            let tile = MLA_TILE.min(n);
+            let mut q_abs = vec![0f32; tile * kl];
+            let mut ctx = vec![0f32; tile * kl];
             let mut scratch = AttendScratch::default();
             for t0 in (0..n).step_by(MLA_TILE) {
                 let tn = MLA_TILE.min(n - t0);
