@@ -18,7 +18,7 @@ use deltafin_formats::WeightFormat;
 
 use crate::kernels::inputs::I16Inputs;
 use crate::kernels::shape::{strided_rows, KernelShape};
-use crate::kernels::x86::{self, hsum, RowScales, RowsOf, PREFETCH_ROWS, RAW_SCALE_BLOCKS};
+use crate::kernels::x86::{self, hsum, RowScales, RowsOf, RAW_SCALE_BLOCKS};
 
 const BLOCK: usize = 32;
 
@@ -145,7 +145,7 @@ unsafe fn q8_wide<const N: usize>(
         let row = &rows.data[r * rows.rb..][..cols];
         // The row PREFETCH_ROWS ahead, in software: each task's rows are one short stream
         // and a decode's experts many of them.
-        x86::prefetch_row(rows, r + PREFETCH_ROWS);
+        x86::prefetch_ahead(rows, r);
         let ws = rows.scales.row(r, rows.per_row, blocks, &mut sbuf);
         let out = &mut out_all[r * stride..r * stride + N];
         let p = row.as_ptr();
