@@ -48,6 +48,8 @@
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
 #[cfg(target_arch = "x86_64")]
+mod avx2_decode;
+#[cfg(target_arch = "x86_64")]
 mod avx2_dense;
 #[cfg(target_arch = "x86_64")]
 mod avx2_q8;
