@@ -8,7 +8,8 @@
 # GGUF by benches/hf_to_gguf.py (bf16, tensors identical to llama.cpp's own converter) then
 # llama-quantize (Q8_0, Q4_K_M; and experts-only variants with the rest BF16). Each GGUF is
 # paired with the deltafin checkpoint quantized the same way: `synth --format F` (experts only)
-# and `synth --format F --quantize-dense F` (every projection). Decode: tokens/s generating --decode tokens after a 1-token prompt (llama-bench tg);
+# and `synth --format F --quantize-dense F --quantize-head q8` (every projection, lm_head
+# in Q8: llama.cpp's Q8_0 stores output.weight in Q8_0, its Q4_K_M in Q6_K). Decode: tokens/s generating --decode tokens after a 1-token prompt (llama-bench tg);
 # prefill: a --prompt-token prompt (llama-bench pp). Both measured the way llama-bench does it:
 # model loaded once, an untimed warm-up run, then timed runs (deltafin: `bench compute`).
 # Medians of --runs, and the median of per-run ratios (engines measured back to back);
@@ -75,8 +76,10 @@ for f in "${formats[@]}"; do
     [ -f "$d/config.json" ] || "$bin" synth --out "$d" "${shape[@]}" --format "${synth_fmt[$f]}" --force -q
     # Every non-expert projection quantized too (synth --quantize-dense), as llama.cpp's
     # Q8_0 / Q4_K_M quantize them: the like-for-like pair of the full GGUF.
-    [ "$f" = bf16 ] || [ -f "$d-dense/config.json" ] || "$bin" synth --out "$d-dense" "${shape[@]}" \
-        --format "${synth_fmt[$f]}" --quantize-dense "${synth_fmt[$f]}" --force -q
+    # lm_head too, in Q8 (the GGUFs' output.weight: Q8_0 in Q8_0, Q6_K in Q4_K_M).
+    [ "$f" = bf16 ] || [ -f "$d-dense-q8head/config.json" ] || "$bin" synth --out "$d-dense-q8head" \
+        "${shape[@]}" --format "${synth_fmt[$f]}" --quantize-dense "${synth_fmt[$f]}" \
+        --quantize-head q8 --force -q
 done
 g16="$work/ds-bf16.gguf"
 [ -f "$g16" ] || { [ -f "$work/ds-bf16/config.json" ] || "$bin" synth --out "$work/ds-bf16" "${shape[@]}" --force -q;
@@ -109,7 +112,7 @@ for f in "${formats[@]}"; do
     else
         pairs=()
         for a in default i8; do
-            pairs+=("$work/ds-$f|$work/ds-$f-experts.gguf|$a" "$work/ds-$f-dense|$work/ds-$f.gguf|$a")
+            pairs+=("$work/ds-$f|$work/ds-$f-experts.gguf|$a" "$work/ds-$f-dense-q8head|$work/ds-$f.gguf|$a")
         done
     fi
     for pair in "${pairs[@]}"; do
