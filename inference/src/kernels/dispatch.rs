@@ -170,7 +170,7 @@ pub fn matmul_many_with(
     let isa = if isa.available() { isa } else { Isa::Scalar };
     let mut slot = Vec::new();
     let xin = prepare_inputs(isa, kind, cols, act, x, &mut slot);
-    let block = task_rows(kind, cols);
+    let block = task_rows(kind, cols, n);
     let task = |m: &WeightMatrix<'_>, bi: usize, o: &mut [f32]| {
         rows_task(isa, m, kind, &xin, n, block, bi, o)
     };
@@ -221,10 +221,19 @@ pub(crate) fn untranspose(tmp: &[f32], n: usize, rows: usize, out: &mut [f32]) {
     }
 }
 
-/// Rows per task for rows of `kind` `cols` wide.
-pub(crate) fn task_rows(kind: WeightFormat, cols: usize) -> usize {
-    (TASK_BYTES / kind.row_len(cols).max(1)).clamp(1, 1024)
+/// Rows per task for rows of `kind` `cols` wide against `n` inputs: [`TASK_BYTES`] of weights
+/// per run of 4 inputs, so that a task's work, not its bytes, stays about the same. With a
+/// task's bytes fixed, a prefill's projections (32 inputs) were one or two tasks for two
+/// threads, e.g. 910 rows and 114 (MLA's o_proj, INT4 1024x512), or one (q_b, 768 rows):
+/// one thread did most of the work.
+pub(crate) fn task_rows(kind: WeightFormat, cols: usize, n: usize) -> usize {
+    let runs = n.div_ceil(4).max(1);
+    (TASK_BYTES / (kind.row_len(cols).max(1) * runs)).clamp(MIN_TASK_ROWS, 1024)
 }
+
+/// The fewest rows a task takes (the row kernels' tiles are up to 8 rows; a task's set-up,
+/// scales and scheduling stay small against 16 rows of a prefill chunk's inputs).
+const MIN_TASK_ROWS: usize = 16;
 
 /// Rows `bi * block ..` of `m` (as many as `o` holds, `n` outputs each) against prepared
 /// inputs: one task of [`matmul_many_with`].

@@ -123,7 +123,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
     {
         let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
         for (i, (j, tmp)) in jobs.iter_mut().zip(tmps.iter_mut()).enumerate() {
-            let block = task_rows(j.m.format(), j.m.cols());
+            let block = task_rows(j.m.format(), j.m.cols(), j.n);
             let (buf, chunk): (&mut [f32], usize) = if j.n > 1 {
                 (tmp.as_mut_slice(), block * j.n)
             } else {
@@ -135,7 +135,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
             let (i, bi) = (*i, *bi);
             let (m, n) = metas[i];
             let kind = m.format();
-            let block = task_rows(kind, m.cols());
+            let block = task_rows(kind, m.cols(), n);
             rows_task(plan[i].0, m, kind, &unique[input_of[i]], n, block, bi, o);
         });
     }
