@@ -146,7 +146,8 @@ unsafe fn q8_wide<const N: usize>(
         // The row PREFETCH_ROWS ahead, in software: each task's rows are one short stream
         // and a decode's experts many of them.
         x86::prefetch_ahead(rows, r);
-        let ws = rows.scales.row(r, rows.per_row, blocks, &mut sbuf);
+        // SAFETY: AVX2 and F16C are enabled here.
+        let ws = unsafe { rows.scales.row(r, rows.per_row, blocks, &mut sbuf) };
         let out = &mut out_all[r * stride..r * stride + N];
         let p = row.as_ptr();
         let mut acc = [[_mm256_setzero_ps(); 2]; N];

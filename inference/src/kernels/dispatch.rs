@@ -349,14 +349,13 @@ pub(crate) fn rows_task(
         && matches!(xin, Inputs::I16(_));
     #[cfg(not(target_arch = "x86_64"))]
     let raw_pairs = false;
-    // AVX2 without AVX-512, a 4-bit format's matrix-vector product on 16-bit inputs, one
-    // scale per 32-block: `avx2_rows` takes every row of the task and its kernels read the
-    // matrix's own scale bytes (INT4 decode 2-5% faster, alternated A/B on the 3.1B synth).
-    // Q8, and several inputs, measured 3-4% slower prefills than one conversion pass per
-    // task, and no faster Q8 decode.
+    // AVX2 without AVX-512, a matrix-vector product on 16-bit inputs, one scale per
+    // 32-block: `avx2_rows` takes every row of the task and its kernels read the matrix's own
+    // scale bytes (alternated A/Bs on the 3.1B synth: INT4 decode 2-5% faster; Q8 decode 2-6%
+    // once the rows were prefetched). With several inputs the row's scales would be converted
+    // once per run of 4 inputs: Q8 prefills measured 3-4% slower than one pass per task.
     #[cfg(target_arch = "x86_64")]
     let raw_avx2 = n == 1
-        && matches!(kind, WeightFormat::Int4 { .. } | WeightFormat::Mxfp4 { .. })
         && isa.has_avx2()
         && !isa.has_avx512()
         && kind.simd_shape(cols)
