@@ -22,8 +22,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 
 mod common;
 use common::{
-    bench_formats, bench_shapes, make, pool, pseudo, quick, read_pass, ring, ring_matrices,
-    threads_all,
+    bench_formats, bench_shapes, kernel_threads, make, pool, pseudo, quick, read_pass, ring,
+    ring_matrices, threads_all,
 };
 use deltafin_inference::kernels::{self, Act, Isa};
 
@@ -55,7 +55,7 @@ fn formats(c: &mut Criterion) {
         Err(_) => 384 << 20,
     };
     let isa = Isa::detect();
-    eprintln!("kernels: {isa:?}, {} threads", threads_all());
+    eprintln!("kernels: {isa:?}, {} threads", kernel_threads());
     for &(rows, cols) in &shapes {
         // DELTAFIN_BENCH_FORMATS=int4,mxfp4 skips building the other rings.
         for name in bench_formats() {
@@ -80,7 +80,8 @@ fn formats(c: &mut Criterion) {
                     if n > 1 && act == Act::I8 && name != "mxfp4" {
                         continue;
                     }
-                    for threads in [1, threads_all()] {
+                    // One thread count per process (`kernel_threads`).
+                    for threads in [kernel_threads()] {
                         let p = pool(threads);
                         let id = BenchmarkId::new(
                             format!("{rows}x{cols}/{act:?}"),

@@ -10,6 +10,9 @@
 //! repeats, with the lowest and highest, per format, shape and thread count, on the
 //! activations the model uses for that format (`KernelConfig::act`).
 //!
+//! One thread count per process: all of the machine's, or `RAYON_NUM_THREADS` (the kernels'
+//! pool is sized once per process).
+//!
 //! Output: one JSON object on stdout. `DELTAFIN_BENCH_REPEATS` (default 9),
 //! `DELTAFIN_BENCH_FORMATS=int4,mxfp4`, `DELTAFIN_BENCH_SHAPES=2048x7168,...`,
 //! `DELTAFIN_BENCH_QUICK=1` (smaller buffers, 3 repeats).
@@ -18,8 +21,8 @@ use std::time::Instant;
 
 mod common;
 use common::{
-    bench_formats, bench_shapes, make, membw_pass, pool, pseudo, quick, ring, ring_matrices,
-    threads_all,
+    bench_formats, bench_shapes, kernel_threads, make, membw_pass, pool, pseudo, quick, ring,
+    ring_matrices,
 };
 use deltafin_inference::kernels::{self, Isa, KernelConfig};
 
@@ -42,11 +45,15 @@ fn main() {
     let read_bytes: usize = if quick() { 128 << 20 } else { 512 << 20 };
     let isa = Isa::detect();
     let buf: Vec<u64> = (0..read_bytes / 8).map(|i| i as u64).collect();
-    let thread_counts = if threads_all() > 1 {
-        vec![1, threads_all()]
-    } else {
-        vec![1]
-    };
+    // One thread count per process (`kernel_threads`): session 19 found the 2-thread rows of
+    // a "1 and 2 threads" run equal to its 1-thread ones.
+    let threads = kernel_threads();
+    let thread_counts = vec![threads];
+    let pool_threads = pool(threads).install(|| kernels::pool::pool().threads());
+    assert_eq!(
+        pool_threads, threads,
+        "the kernels' pool has {pool_threads} threads"
+    );
     let pools: Vec<_> = thread_counts.iter().map(|&t| (t, pool(t))).collect();
     let mut rows = Vec::new();
     for (r, c) in bench_shapes() {

@@ -102,6 +102,18 @@ pub fn threads_all() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// The thread count the kernels run on in this process: `RAYON_NUM_THREADS`, else every
+/// core. The kernels' pool (`kernels::pool::pool`) is sized once, at its first use, by the
+/// rayon pool it is used from, so one process can time the kernels at one thread count only
+/// (timing "1 and 2 threads" in one process measured the first size twice).
+#[allow(dead_code)]
+pub fn kernel_threads() -> usize {
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(threads_all)
+}
+
 /// A streaming read of `buf` (8 u64 accumulators) that prefetches 4 KiB ahead in software,
 /// as the kernels do: on this machine a plain read loop measured 28-32 GiB/s on one thread
 /// and this one 34-35, and comparing kernels with the lower figure would flatter them.
