@@ -81,7 +81,8 @@ fn formats(c: &mut Criterion) {
                         continue;
                     }
                     // One thread count per process (`kernel_threads`).
-                    for threads in [kernel_threads()] {
+                    {
+                        let threads = kernel_threads();
                         let p = pool(threads);
                         let id = BenchmarkId::new(
                             format!("{rows}x{cols}/{act:?}"),

@@ -48,7 +48,7 @@ fn main() {
     // One thread count per process (`kernel_threads`): session 19 found the 2-thread rows of
     // a "1 and 2 threads" run equal to its 1-thread ones.
     let threads = kernel_threads();
-    let thread_counts = vec![threads];
+    let thread_counts = [threads];
     let pool_threads = pool(threads).install(|| kernels::pool::pool().threads());
     assert_eq!(
         pool_threads, threads,
