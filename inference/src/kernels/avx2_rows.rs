@@ -61,13 +61,13 @@ pub(crate) fn rows(
         Inputs::I8 { .. } | Inputs::Bf16(_) => return first,
     };
     let rows = &t.data[(t.r0 + first) * rb..(t.r0 + t.nr) * rb];
-    let i16_scales = match t.raw {
-        Some((b, st)) => x86::RowScales::Raw(&b[first * per_row * st.size()..], st),
-        None => x86::RowScales::F32(&t.scales[(first - t.s0) * per_row..(t.nr - t.s0) * per_row]),
-    };
     let sc = match t.raw {
         Some(_) => &[][..],
         None => &t.scales[(first - t.s0) * per_row..(t.nr - t.s0) * per_row],
+    };
+    let i16_scales = match t.raw {
+        Some((b, st)) => x86::RowScales::Raw(&b[first * per_row * st.size()..], st),
+        None => x86::RowScales::F32(sc),
     };
     let last = (t.nr - first - 1) * n;
     let vnni = isa == Isa::AvxVnni;

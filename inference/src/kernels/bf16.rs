@@ -4,9 +4,9 @@
 
 use crate::kernels::isa::Isa;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::x86_avx512;
+use crate::kernels::{x86, x86_avx512};
 
-/// `out[i] = bf16(bytes[2i..2i+2])`, on AVX-512 where `isa` is it.
+/// `out[i] = bf16(bytes[2i..2i+2])`, on AVX-512 or AVX2 where `isa` is it.
 pub(crate) fn bf16_to_f32(isa: Isa, bytes: &[u8], out: &mut [f32]) {
     assert!(bytes.len() >= 2 * out.len(), "bf16 bytes for every output");
     #[cfg(target_arch = "x86_64")]
@@ -14,6 +14,12 @@ pub(crate) fn bf16_to_f32(isa: Isa, bytes: &[u8], out: &mut [f32]) {
         // SAFETY: AVX-512 F/BW were detected (`available`); `bytes` holds two bytes per
         // output (asserted above).
         unsafe { x86_avx512::bf16_to_f32(bytes, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.has_avx2() && isa.available() {
+        // SAFETY: AVX2 was detected (`available`); the lengths are asserted above.
+        unsafe { x86::bf16_to_f32(bytes, out) };
         return;
     }
     let _ = isa; // only x86_64 has a SIMD path

@@ -39,32 +39,38 @@ fn scales_chunk_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>
         ScaleType::F32 => bytes.len() / 4,
     };
     out.resize(start + count, 0.0);
-    let out = &mut out[start..];
-    #[cfg(target_arch = "x86_64")]
-    if isa.has_avx512() && matches!(st, ScaleType::E8m0 | ScaleType::Bf16) {
-        // SAFETY: `Isa::Avx512` / `Avx512Bw` mean AVX-512 F/BW were detected; `out` holds exactly one
-        // value per scale in `bytes`.
-        unsafe {
-            match st {
-                ScaleType::E8m0 => x86_avx512::e8m0_to_f32(bytes, out),
-                _ => x86_avx512::bf16_to_f32(bytes, out),
-            }
-        }
-        return;
-    }
+    scales_into(isa, st, bytes, &mut out[start..]);
+}
+
+/// `out[i]` = scale `i` of `bytes` in type `st` (exact), on the SIMD path `isa` has: the one
+/// conversion of scale bytes, for a task's pass and for the AVX2 kernels' rows
+/// (`x86::RowScales`).
+///
+/// # Panics
+/// If `bytes` holds fewer than `out.len()` scales.
+pub(crate) fn scales_into(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut [f32]) {
+    assert!(
+        bytes.len() >= out.len() * st.size(),
+        "{} scales of {st:?} in {} bytes",
+        out.len(),
+        bytes.len()
+    );
     match st {
-        ScaleType::None => {}
+        ScaleType::None => out.fill(1.0),
         ScaleType::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
-        ScaleType::Bf16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-            }
-        }
+        ScaleType::Bf16 => crate::kernels::bf16::bf16_to_f32(isa, bytes, out),
         ScaleType::E8m0 => {
+            #[cfg(target_arch = "x86_64")]
+            if isa.has_avx512() {
+                // SAFETY: `Isa::Avx512` / `Avx512Bw` mean AVX-512 F/BW were detected; `out`
+                // holds no more values than `bytes` has scales (asserted above).
+                unsafe { x86_avx512::e8m0_to_f32(&bytes[..out.len()], out) };
+                return;
+            }
             for (o, &e) in out.iter_mut().zip(bytes) {
                 *o = f32::from_bits(e8m0_bits(e));
             }
@@ -72,8 +78,8 @@ fn scales_chunk_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>
         ScaleType::F16 => {
             #[cfg(target_arch = "x86_64")]
             if isa.has_avx2() {
-                // SAFETY: Avx2 implies F16C was detected; `out` holds exactly
-                // `bytes.len() / 2` values.
+                // SAFETY: Avx2 implies F16C was detected; `bytes` holds two bytes per value of
+                // `out` (asserted above).
                 unsafe { x86::f16_to_f32(bytes, out) };
                 return;
             }
@@ -85,7 +91,6 @@ fn scales_chunk_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>
     }
 }
 
-/// Scales of rows `r0..r1` as f32, `[r1-r0, groups]` (FP8: the scale row of each row's block).
 pub(crate) fn row_scales(isa: Isa, m: &WeightMatrix<'_>, r0: usize, r1: usize, out: &mut Vec<f32>) {
     let (scale, st) = (m.scale_bytes(), m.scale_type());
     out.clear();
