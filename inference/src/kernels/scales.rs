@@ -42,13 +42,12 @@ fn scales_chunk_to_f32(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut Vec<f32>
     scales_into(isa, st, bytes, &mut out[start..]);
 }
 
-/// `out[i]` = scale `i` of `bytes` in type `st` (exact), on the SIMD path `isa` has: the one
-/// conversion of scale bytes, for a task's pass and for the AVX2 kernels' rows
-/// (`x86::RowScales`).
+/// `out[i]` = scale `i` of `bytes` in type `st` (exact), on the SIMD path `isa` has (the AVX2
+/// kernels' rows, `x86::RowScales`, call the same F16/BF16 converters directly).
 ///
 /// # Panics
 /// If `bytes` holds fewer than `out.len()` scales.
-pub(crate) fn scales_into(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut [f32]) {
+fn scales_into(isa: Isa, st: ScaleType, bytes: &[u8], out: &mut [f32]) {
     assert!(
         bytes.len() >= out.len() * st.size(),
         "{} scales of {st:?} in {} bytes",

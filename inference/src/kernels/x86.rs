@@ -19,8 +19,6 @@ use std::arch::x86_64::*;
 use crate::kernels::scalar::MXFP4_X2;
 use deltafin_formats::{ScaleType, WeightFormat};
 
-use crate::kernels::isa::Isa;
-
 use crate::kernels::shape::{strided_rows, KernelShape, BLOCK};
 
 /// The sum of `v`'s lanes, in a fixed order.
@@ -921,7 +919,19 @@ impl<'a> RowScales<'a> {
                     ScaleType::F16 => unsafe { f16_to_f32(bytes, out) },
                     // SAFETY: as above.
                     ScaleType::Bf16 => unsafe { bf16_to_f32(bytes, out) },
-                    _ => crate::kernels::scales::scales_into(Isa::Avx2, st, bytes, out),
+                    // The rare types, as `scales::scales_into` converts them (not called
+                    // from here: `scales` reads matrices, whose kernels are these).
+                    ScaleType::E8m0 => {
+                        for (o, &e) in out.iter_mut().zip(bytes) {
+                            *o = f32::from_bits(deltafin_formats::codec::e8m0_bits(e));
+                        }
+                    }
+                    ScaleType::F32 => {
+                        for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                            *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        }
+                    }
+                    ScaleType::None => out.fill(1.0),
                 }
                 out
             }
