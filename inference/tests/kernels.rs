@@ -598,3 +598,70 @@ fn avx512_without_vnni_equals_vnni() {
         }
     }
 }
+
+/// The largest integer sums the 16-bit kernels meet: INT4 codes all 15 (or all 0) against
+/// inputs at the quantizer's extremes (every value of a block at +-amax: high bytes +-127;
+/// and values one low-plane step off). Each input of a matrix product equals its
+/// matrix-vector product bit for bit (the AVX2 kernels sum two or more inputs' products in
+/// i16 first, one input's in i32), and both stay within the I16 budget of the f64 result.
+#[test]
+fn extreme_int4_sums_do_not_overflow() {
+    let (rows, cols) = (6, 512);
+    for sign in [1.0f32, -1.0] {
+        let w = vec![sign; rows * cols];
+        let q = quant::quantize_int4(&w, rows, cols, 32);
+        let mat = Mat {
+            rows,
+            cols,
+            format: WeightFormat::Int4 { group: 32 },
+            st: ScaleType::Bf16,
+            data: q.data,
+            scale: q.scale,
+        };
+        let m = mat.view();
+        let wf = m.to_f32();
+        let n = 4;
+        // Inputs: all -1, all +1, then values 1 and 1 - 1/32512 alternating (a low plane
+        // of -1 or -128 steps), then the mirror.
+        let step = 1.0 / 32512.0;
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| match i / cols {
+                0 => -1.0,
+                1 => 1.0,
+                2 => {
+                    if i % 2 == 0 {
+                        1.0
+                    } else {
+                        1.0 - 128.0 * step
+                    }
+                }
+                _ => {
+                    if i % 2 == 0 {
+                        -1.0
+                    } else {
+                        -1.0 + 127.5 * step
+                    }
+                }
+            })
+            .collect();
+        for isa in std::iter::once(Isa::Scalar).chain(simd_isas()) {
+            let all = run(isa, &m, &x, n, Act::I16);
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let one = run(isa, &m, xt, 1, Act::I16);
+                assert_eq!(one, &all[t * rows..(t + 1) * rows], "{isa:?} {sign} t={t}");
+                for (r, &got) in one.iter().enumerate() {
+                    let want: f64 = wf[r * cols..(r + 1) * cols]
+                        .iter()
+                        .zip(xt)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum();
+                    assert!(
+                        (got as f64 - want).abs() <= 1e-3 * want.abs().max(1.0),
+                        "{isa:?} {sign} t={t} row {r}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}

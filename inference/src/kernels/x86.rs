@@ -433,6 +433,9 @@ trait PairCodes {
     ///
     /// [`I16Order::Groups8`]: crate::kernels::inputs::I16Order::Groups8
     const GROUPED: bool = false;
+    /// Largest code: whether a group's eight `vpmaddubsw` products of one plane still add
+    /// within i16 (INT4's 15: 16 * 15 * 128 = 30720; MXFP4's 24 does not).
+    const MAX_CODE: i32;
     /// Blocks `g..g + 8` as eight code vectors in the [`I16Order::Groups8`] order: vector
     /// `2u + p` holds, in 32-bit lane `group8_lane(j)`, the codes of block `j`'s elements
     /// `8u + p + 2k` (`k` in 0..4). Only called when [`PairCodes::GROUPED`].
@@ -521,6 +524,7 @@ struct Int4Pairs;
 impl PairCodes for Int4Pairs {
     const OFFSET: i32 = 8;
     const GROUPED: bool = true;
+    const MAX_CODE: i32 = 15;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn group8(p: *const u8, g: usize) -> [__m256i; 8] {
@@ -550,6 +554,7 @@ struct Mxfp4Pairs;
 impl PairCodes for Mxfp4Pairs {
     const OFFSET: i32 = 12;
     const GROUPED: bool = true;
+    const MAX_CODE: i32 = 24;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn group8(p: *const u8, g: usize) -> [__m256i; 8] {
@@ -574,6 +579,7 @@ impl PairCodes for Mxfp4Pairs {
 struct Q8Pairs;
 impl PairCodes for Q8Pairs {
     const OFFSET: i32 = 0;
+    const MAX_CODE: i32 = 128;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn pair(p: *const u8, b: usize) -> (__m256i, __m256i) {
@@ -674,6 +680,55 @@ unsafe fn group8_plane<C: PairCodes>(c: &[__m256i; 8], x: *const i8) -> __m256i 
     _mm256_add_epi32(_mm256_madd_epi16(a, k1), _mm256_madd_epi16(b, k1))
 }
 
+/// [`Dot::group8`] of `MaddDot` for `N` inputs at once (input `t`'s planes at `h + t * cols`,
+/// `l + t * cols`), when a plane's eight products add within i16 ([`PairCodes::MAX_CODE`]):
+/// codes outer and inputs inner, so the live vectors are one code vector and two i16
+/// accumulators per input (the code-vectors-first order spilled at two inputs and more),
+/// and one `vpmaddwd` per plane and input instead of two. The same integers.
+///
+/// # Safety
+/// AVX2 available; `16 * C::MAX_CODE * 128 <= i16::MAX` (checked: a panic); for each
+/// `t < N` 256 bytes readable at `h + t * cols` and, with `LO`, at `l + t * cols`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn group8_i16_sums<C: PairCodes, const N: usize, const LO: bool>(
+    c: &[__m256i; 8],
+    h: *const i8,
+    l: *const i8,
+    cols: usize,
+) -> [__m256i; N] {
+    assert!(
+        16 * C::MAX_CODE * 128 <= i16::MAX as i32,
+        "i16 sums overflow"
+    );
+    let mut ah = [_mm256_setzero_si256(); N];
+    let mut al = [_mm256_setzero_si256(); N];
+    for (v, &c) in c.iter().enumerate() {
+        for t in 0..N {
+            // SAFETY: `v < 8`, `t < N`: inside the 256 bytes per input the caller guarantees.
+            unsafe {
+                let x = t * cols + 32 * v;
+                let hv = _mm256_loadu_si256(h.add(x) as *const __m256i);
+                ah[t] = _mm256_add_epi16(ah[t], code_products::<C>(c, hv));
+                if LO {
+                    let lv = _mm256_loadu_si256(l.add(x) as *const __m256i);
+                    al[t] = _mm256_add_epi16(al[t], code_products::<C>(c, lv));
+                }
+            }
+        }
+    }
+    let mut sums = [_mm256_setzero_si256(); N];
+    for t in 0..N {
+        let hs = _mm256_madd_epi16(ah[t], _mm256_set1_epi16(256));
+        sums[t] = if LO {
+            _mm256_add_epi32(hs, _mm256_madd_epi16(al[t], _mm256_set1_epi16(1)))
+        } else {
+            hs
+        };
+    }
+    sums
+}
+
 /// How a pair of 32-byte code vectors meets the 16-bit inputs: `vpmaddubsw` + `vpmaddwd`
 /// (AVX2) or `vpdpbusd` (AVX-VNNI: Alder Lake and later, Zen 5).
 trait Dot {
@@ -707,10 +762,13 @@ trait Dot {
     ) -> __m256i;
     /// The offset the products carry per code.
     fn offset<C: PairCodes>() -> i32;
+    /// Whether whole groups may take [`group8_i16_sums`] (`vpmaddubsw` sums in i16).
+    const I16_SUMS: bool = false;
 }
 
 struct MaddDot;
 impl Dot for MaddDot {
+    const I16_SUMS: bool = true;
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn pair<C: PairCodes, const LO: bool>(
@@ -961,7 +1019,7 @@ macro_rules! i16_row_fn {
         #[inline]
         // `j` picks both the pair's blocks and its accumulator, inside the loop over inputs.
         #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-        unsafe fn $name<C: PairCodes, const N: usize, const LO: bool>(
+        unsafe fn $name<C: PairCodes, const N: usize, const LO: bool, const M: bool>(
             rows: &RowsOf<'_>,
             hi: &[i8],
             lo: &[i8],
@@ -1008,12 +1066,23 @@ macro_rules! i16_row_fn {
                     let w = _mm256_loadu_ps(ws.as_ptr().add(g));
                     let wp = _mm256_permutevar8x32_ps(w, sigma);
                     let codes = C::group8(p, g);
+                    let x0 = g * BLOCK;
+                    let many = M;
+                    let sums: [__m256i; N] = if many {
+                        group8_i16_sums::<C, N, LO>(&codes, hp.add(x0), lp.add(x0), cols)
+                    } else {
+                        [_mm256_setzero_si256(); N]
+                    };
                     for t in 0..N {
                         let o = t * blocks + g;
                         let dp =
                             _mm256_permutevar8x32_ps(_mm256_loadu_ps(d.as_ptr().add(o)), sigma);
-                        let x = t * cols + g * BLOCK;
-                        let s = <$dot>::group8::<C, LO>(&codes, hp.add(x), lp.add(x));
+                        let x = t * cols + x0;
+                        let s = if many {
+                            sums[t]
+                        } else {
+                            <$dot>::group8::<C, LO>(&codes, hp.add(x), lp.add(x))
+                        };
                         acc[t][0] = _mm256_fmadd_ps(
                             _mm256_cvtepi32_ps(s),
                             _mm256_mul_ps(wp, dp),
@@ -1146,6 +1215,9 @@ macro_rules! i16_row_fn {
             stride: usize,
         ) {
             let blocks = cols / BLOCK;
+            // Whole groups of codes whose eight products per plane add within i16 take
+            // [`group8_i16_sums`] (two inputs or more; MaddDot only).
+            let many = <$dot>::I16_SUMS && 16 * C::MAX_CODE * 128 <= i16::MAX as i32;
             let mut t = t0;
             while t < t0 + n {
                 let k = (t0 + n - t).min(4);
@@ -1158,11 +1230,14 @@ macro_rules! i16_row_fn {
                 let o = &mut out[t - t0..];
                 // SAFETY: the caller's contract, for every row; the slices hold `k` inputs.
                 unsafe {
-                    match k {
-                        4 => $name::<C, 4, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
-                        3 => $name::<C, 3, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
-                        2 => $name::<C, 2, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
-                        _ => $name::<C, 1, LO>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                    match (k, many) {
+                        (4, true) => $name::<C, 4, LO, true>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        (3, true) => $name::<C, 3, LO, true>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        (2, true) => $name::<C, 2, LO, true>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        (4, false) => $name::<C, 4, LO, false>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        (3, false) => $name::<C, 3, LO, false>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        (2, false) => $name::<C, 2, LO, false>(rows, hi, lo, d, ds, cols, grouped, o, stride),
+                        _ => $name::<C, 1, LO, false>(rows, hi, lo, d, ds, cols, grouped, o, stride),
                     }
                 }
                 t += k;
