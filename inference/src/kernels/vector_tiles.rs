@@ -9,8 +9,13 @@ use super::vector::{level, reduce16_of, reduce64, Level};
 
 /// Outputs per register tile.
 pub const TILE_POSITIONS: usize = 4;
-/// Columns per register tile (four 16-lane vectors per position on AVX-512).
-const TILE_COLS: usize = 64;
+/// Columns per register tile on AVX-512 (four 16-lane vectors per position: 16 of its 32
+/// registers) and, for the tiled dot products, lanes per pass.
+const TILE_COLS_WIDE: usize = 64;
+/// The same on AVX2 and the portable build (16 registers: four positions of 64 columns were
+/// 32 accumulators, spilled and reloaded around every multiply-add; the MLA core of a 32-token
+/// prefill ran at ~11 GMAC/s).
+const TILE_COLS_NARROW: usize = 16;
 
 /// `out[t, :] = sum over d in order of coef[t * stride + d] * w[d, :]` for `t < out.len() /
 /// cols` and `d < rows` (`w` is `[rows, cols]`): bit for bit what zeroing `out[t]` and calling
@@ -36,7 +41,7 @@ pub fn axpy_rows(
         "axpy_rows: coefficients for every output"
     );
     match level() {
-        Level::Portable => axpy_rows_body(coef, stride, w, rows, cols, out),
+        Level::Portable => axpy_rows_body::<TILE_COLS_NARROW>(coef, stride, w, rows, cols, out),
         // SAFETY: the level is only chosen when the CPU has the feature.
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { x86::axpy_rows_avx2(coef, stride, w, rows, cols, out) },
@@ -59,7 +64,7 @@ pub fn dot_many(row: &[f32], xs: &[f32], n: usize, out: &mut [f32], out_stride: 
         "dot_many: room for every output"
     );
     match level() {
-        Level::Portable => dot_many_body(row, xs, n, out, out_stride),
+        Level::Portable => dot_many_body::<TILE_COLS_NARROW>(row, xs, n, out, out_stride),
         // SAFETY: the level is only chosen when the CPU has the feature.
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 => unsafe { x86::dot_many_avx2(row, xs, n, out, out_stride) },
@@ -153,8 +158,9 @@ fn dots4_body(
     }
 }
 
+/// `COLS` columns per tile: every output's sum is over `d` in order whatever the tile.
 #[inline(always)]
-fn axpy_rows_body(
+fn axpy_rows_body<const COLS: usize>(
     coef: &[f32],
     stride: usize,
     w: &[f32],
@@ -168,14 +174,14 @@ fn axpy_rows_body(
         let tn = (n - t0).min(TILE_POSITIONS);
         let mut c0 = 0;
         while c0 < cols {
-            let cw = (cols - c0).min(TILE_COLS);
-            let mut acc = [[0f32; TILE_COLS]; TILE_POSITIONS];
-            if tn == TILE_POSITIONS && cw == TILE_COLS {
+            let cw = (cols - c0).min(COLS);
+            let mut acc = [[0f32; COLS]; TILE_POSITIONS];
+            if tn == TILE_POSITIONS && cw == COLS {
                 for d in 0..rows {
-                    let wr = &w[d * cols + c0..d * cols + c0 + TILE_COLS];
+                    let wr = &w[d * cols + c0..d * cols + c0 + COLS];
                     for (t, a) in acc.iter_mut().enumerate() {
                         let k = coef[(t0 + t) * stride + d];
-                        for j in 0..TILE_COLS {
+                        for j in 0..COLS {
                             a[j] += k * wr[j];
                         }
                     }
@@ -202,25 +208,33 @@ fn axpy_rows_body(
 
 /// [`super::vector`]'s `dot_body` for `T` inputs at once: 64 lane accumulators each, whole
 /// 64-blocks, then 16-blocks into the first 16 lanes, then single values into the first lanes,
-/// then the same pairwise reduction.
+/// then the same pairwise reduction. The whole blocks `Q` lanes at a time (every lane's
+/// additions in the same order), so that `T * Q` accumulators fit the registers.
 #[inline(always)]
-fn dot_tile<const T: usize>(row: &[f32], xs: [&[f32]; T]) -> [f32; T] {
+fn dot_tile<const T: usize, const Q: usize>(row: &[f32], xs: [&[f32]; T]) -> [f32; T] {
     const LANES: usize = 64;
     const CHAIN: usize = 16;
     let len = row.len();
     let mut acc = [[0f32; LANES]; T];
     let whole = len / LANES * LANES;
-    let mut i = 0;
-    while i < whole {
-        let r = &row[i..i + LANES];
-        for (a, x) in acc.iter_mut().zip(&xs) {
-            let x = &x[i..i + LANES];
-            for j in 0..LANES {
-                a[j] += r[j] * x[j];
+    for q0 in (0..LANES).step_by(Q) {
+        let mut part = [[0f32; Q]; T];
+        let mut i = 0;
+        while i < whole {
+            let r = &row[i + q0..i + q0 + Q];
+            for (a, x) in part.iter_mut().zip(&xs) {
+                let x = &x[i + q0..i + q0 + Q];
+                for j in 0..Q {
+                    a[j] += r[j] * x[j];
+                }
             }
+            i += LANES;
         }
-        i += LANES;
+        for (a, p) in acc.iter_mut().zip(&part) {
+            a[q0..q0 + Q].copy_from_slice(p);
+        }
     }
+    let mut i = whole;
     while i + CHAIN <= len {
         let r = &row[i..i + CHAIN];
         for (a, x) in acc.iter_mut().zip(&xs) {
@@ -244,19 +258,25 @@ fn dot_tile<const T: usize>(row: &[f32], xs: [&[f32]; T]) -> [f32; T] {
 }
 
 #[inline(always)]
-fn dot_many_body(row: &[f32], xs: &[f32], n: usize, out: &mut [f32], out_stride: usize) {
+fn dot_many_body<const Q: usize>(
+    row: &[f32],
+    xs: &[f32],
+    n: usize,
+    out: &mut [f32],
+    out_stride: usize,
+) {
     let len = row.len();
     let x = |t: usize| &xs[t * len..(t + 1) * len];
     let mut t = 0;
     while t + TILE_POSITIONS <= n {
-        let v = dot_tile::<TILE_POSITIONS>(row, std::array::from_fn(|k| x(t + k)));
+        let v = dot_tile::<TILE_POSITIONS, Q>(row, std::array::from_fn(|k| x(t + k)));
         for (k, v) in v.into_iter().enumerate() {
             out[(t + k) * out_stride] = v;
         }
         t += TILE_POSITIONS;
     }
     while t < n {
-        out[t * out_stride] = dot_tile::<1>(row, [x(t)])[0];
+        out[t * out_stride] = dot_tile::<1, Q>(row, [x(t)])[0];
         t += 1;
     }
 }
@@ -290,7 +310,7 @@ mod x86 {
         cols: usize,
         out: &mut [f32],
     ) {
-        super::axpy_rows_body(coef, stride, w, rows, cols, out)
+        super::axpy_rows_body::<{ super::TILE_COLS_WIDE }>(coef, stride, w, rows, cols, out)
     }
     #[target_feature(enable = "avx2")]
     pub(super) fn axpy_rows_avx2(
@@ -301,7 +321,7 @@ mod x86 {
         cols: usize,
         out: &mut [f32],
     ) {
-        super::axpy_rows_body(coef, stride, w, rows, cols, out)
+        super::axpy_rows_body::<{ super::TILE_COLS_NARROW }>(coef, stride, w, rows, cols, out)
     }
     #[target_feature(enable = "avx512f")]
     pub(super) fn dot_many_avx512(
@@ -311,7 +331,7 @@ mod x86 {
         out: &mut [f32],
         out_stride: usize,
     ) {
-        super::dot_many_body(row, xs, n, out, out_stride)
+        super::dot_many_body::<{ super::TILE_COLS_WIDE }>(row, xs, n, out, out_stride)
     }
     #[target_feature(enable = "avx2")]
     pub(super) fn dot_many_avx2(
@@ -321,7 +341,7 @@ mod x86 {
         out: &mut [f32],
         out_stride: usize,
     ) {
-        super::dot_many_body(row, xs, n, out, out_stride)
+        super::dot_many_body::<{ super::TILE_COLS_NARROW }>(row, xs, n, out, out_stride)
     }
 }
 
