@@ -67,6 +67,7 @@ pub mod scalar;
 pub mod scales;
 pub mod shape;
 pub mod vector;
+pub mod vector_decode;
 pub mod vector_tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;

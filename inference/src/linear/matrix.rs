@@ -178,6 +178,23 @@ impl<'a> WeightMatrix<'a> {
         }
     }
 
+    /// Row `r` decoded into `out[..cols]` with its scales `scales` (as
+    /// [`WeightMatrix::row_scales`] gives them): the same bits as [`WeightMatrix::decode_row_with`].
+    pub fn decode_row_scaled(&self, r: usize, scales: &[f32], out: &mut [f32]) {
+        let rb = self.format.row_len(self.cols);
+        let data = &self.data[r * rb..(r + 1) * rb];
+        match self.format {
+            // Exact either way.
+            WeightFormat::Bf16 => {
+                crate::kernels::bf16::bf16_to_f32(self.kernels.isa, data, &mut out[..self.cols])
+            }
+            _ if self.kernels.isa == Isa::Scalar => {
+                crate::kernels::scalar::decode_row(self.format, data, scales, self.cols, out)
+            }
+            _ => crate::kernels::vector::decode_row(self.format, data, scales, self.cols, out),
+        }
+    }
+
     /// Row `r`'s scales as f32 (one per group / column block; `[1.0]` for unscaled formats).
     pub fn row_scales(&self, r: usize, out: &mut Vec<f32>) {
         out.clear();

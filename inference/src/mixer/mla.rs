@@ -20,7 +20,9 @@
 use crate::kernels::pool::pool;
 
 use crate::error::Result;
+use crate::kernels::shape::KernelShape;
 use crate::kernels::vector::{axpy, dot, dots};
+use crate::kernels::vector_decode::{axpy_rows_decoded, dots_rows_decoded, PackedRows};
 use crate::kernels::vector_tiles::{self, axpy_rows, dot_many};
 use crate::linear::{Linear, WeightMatrix};
 use crate::mixer::state::{check_import, check_truncate, state_as, MixerState, TokenMixer};
@@ -244,8 +246,10 @@ impl MlaAttention {
         // [nope + vd, kl]: W_uk's rows, then W_uv's.
         let mut w = vec![0f32; (nope + vd) * kl];
         let mut scales = Vec::new();
+        let r0 = h * (nope + vd);
+        let per_row = head_scales(kv_b, r0, r0 + nope + vd, &mut scales);
         for (r, row) in w.chunks_mut(kl).enumerate() {
-            kv_b.decode_row_with(h * (nope + vd) + r, row, &mut scales);
+            kv_b.decode_row_scaled(r0 + r, &scales[r * per_row..(r + 1) * per_row], row);
         }
         let mut q_abs = vec![0f32; n * kl];
         axpy_rows(
@@ -384,7 +388,20 @@ impl TokenMixer for MlaAttention {
                 return self.head_chunk(h, &q, n, start, cache, &kv_b);
             }
             let mut row = vec![0f32; kl];
+            // The head's rows' scales, converted once.
             let mut scales = Vec::new();
+            let r0 = h * (nope + vd);
+            let per_row = head_scales(&kv_b, r0, r0 + nope + vd, &mut scales);
+            let row_scales = |r: usize| &scales[r * per_row..(r + 1) * per_row];
+            // W_uk's and W_uv's rows decoded inside the loops that apply them, where the
+            // format allows (`vector_decode`: the same bits as decoding then `axpy` / `dot`).
+            let rb = kv_b.format().row_len(kl);
+            let data = &kv_b.data_bytes()[r0 * rb..];
+            let packed = |a: usize, b: usize| {
+                let (d, s) = (&data[a * rb..b * rb], &scales[a * per_row..b * per_row]);
+                PackedRows::new(kv_b.format(), d, s, per_row, b - a, kl)
+            };
+            let (uk, uv) = (packed(0, nope), packed(nope, nope + vd));
             let mut out = vec![0f32; n * vd];
             // A tile's positions, at most `n` (decode: one; zeroing 16 positions' buffers per
             // head was a visible share of a decode token's attention).
@@ -396,8 +413,12 @@ impl TokenMixer for MlaAttention {
                 let tn = MLA_TILE.min(n - t0);
                 // q_abs[t, c] = sum_d q_nope[t, d] * W_uk[d, c]
                 q_abs[..tn * kl].iter_mut().for_each(|a| *a = 0.0);
-                for d in 0..nope {
-                    kv_b.decode_row_with(h * (nope + vd) + d, &mut row, &mut scales);
+                if let Some(uk) = &uk {
+                    let coef = &q[(t0 * h_n + h) * qk..];
+                    axpy_rows_decoded(uk, coef, h_n * qk, &mut q_abs[..tn * kl]);
+                }
+                for d in (0..nope).filter(|_| uk.is_none()) {
+                    kv_b.decode_row_scaled(r0 + d, row_scales(d), &mut row);
                     for (t, qa) in q_abs.chunks_mut(kl).take(tn).enumerate() {
                         axpy(qa, q[((t0 + t) * h_n + h) * qk + d], &row);
                     }
@@ -412,8 +433,11 @@ impl TokenMixer for MlaAttention {
                     self.attend(qa, &qh[nope..], start + t0 + t, cache, &mut scratch, cx);
                 }
                 // out[t, dv] = W_uv[dv] . ctx[t]
-                for dv in 0..vd {
-                    kv_b.decode_row_with(h * (nope + vd) + nope + dv, &mut row, &mut scales);
+                if let Some(uv) = &uv {
+                    dots_rows_decoded(uv, &ctx[..tn * kl], tn, &mut out[t0 * vd..], vd);
+                }
+                for dv in (0..vd).filter(|_| uv.is_none()) {
+                    kv_b.decode_row_scaled(r0 + nope + dv, row_scales(nope + dv), &mut row);
                     for (t, cx) in ctx.chunks(kl).take(tn).enumerate() {
                         out[(t0 + t) * vd + dv] = dot(&row, cx);
                     }
@@ -440,6 +464,14 @@ impl TokenMixer for MlaAttention {
     }
 }
 
+/// Rows `r0..r1`'s scales as f32 into `out`, the same count for each row (one `1.0` per row
+/// for unscaled formats), converted in one pass; returns that count. Converting each row's
+/// scales on its own cost more than decoding it.
+fn head_scales(kv_b: &WeightMatrix<'_>, r0: usize, r1: usize, out: &mut Vec<f32>) -> usize {
+    crate::kernels::scales::row_scales(kv_b.kernels().isa, kv_b, r0, r1, out);
+    out.len().checked_div(r1 - r0).unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,10 +488,28 @@ mod tests {
         Linear::from_f32(rows, cols, &w).expect("matrix")
     }
 
+    /// `lin`'s matrix packed as `format` ("q8", "int4", "bf16", "mxfp4"): the decode path's
+    /// fused row decoding (`vector_decode`) for the first three, rows one by one for MXFP4.
+    fn packed(lin: &Linear, format: &str) -> Linear {
+        let v = lin.view();
+        let (rows, cols) = (v.rows(), v.cols());
+        let (f, data, scale, st) =
+            crate::run::calibrate::packed_matrix(format, &v.to_f32(), rows, cols);
+        let m = WeightMatrix::new(rows, cols, f, &data, &scale, st).expect("packed");
+        Linear::from_matrix(&m, None)
+    }
+
     /// A chunk long enough for the tiled path gives, bit for bit, what the row-by-row path
-    /// gives one position at a time (the decode path), after a cached prefix.
+    /// gives one position at a time (the decode path), after a cached prefix; kv_b_proj in
+    /// every format the decode path treats its own way.
     #[test]
     fn chunk_in_tiles_equals_position_by_position() {
+        for format in ["f32", "q8", "int4", "bf16", "mxfp4"] {
+            chunk_equals_positions(format);
+        }
+    }
+
+    fn chunk_equals_positions(format: &str) {
         let (hidden, h_n, nope, rd, vd, kl) = (64, 4, 16, 8, 16, 64);
         let mut seed = 3u64;
         let mla = MlaAttention {
@@ -474,7 +524,10 @@ mod tests {
                 weight: vec![1.0; kl],
                 eps: 1e-6,
             },
-            kv_b_proj: lin(h_n * (nope + vd), kl, &mut seed),
+            kv_b_proj: match lin(h_n * (nope + vd), kl, &mut seed) {
+                l if format == "f32" => l,
+                l => packed(&l, format),
+            },
             o_proj: lin(hidden, h_n * vd, &mut seed),
             rope: None,
             softmax_scale: 0.25,
@@ -499,6 +552,9 @@ mod tests {
             .zip(&one_by_one)
             .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
         assert!(scale > 1e-3, "a non-trivial output ({scale})");
-        assert_eq!(err, 0.0, "bit for bit (max error {err} at scale {scale})");
+        assert_eq!(
+            err, 0.0,
+            "{format}: bit for bit (max error {err} at scale {scale})"
+        );
     }
 }
