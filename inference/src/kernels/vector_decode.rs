@@ -76,10 +76,6 @@ impl<'a> PackedRows<'a> {
             cols,
         })
     }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
 }
 
 /// Columns decoded at a time: four AVX2 registers of values beside four of accumulators.

@@ -157,29 +157,14 @@ impl<'a> WeightMatrix<'a> {
     }
 
     /// [`WeightMatrix::decode_row`] with a caller's buffer for the row's scales (no allocation
-    /// per row: MLA decodes every `kv_b_proj` row on every forward).
+    /// per row).
     pub fn decode_row_with(&self, r: usize, out: &mut [f32], scales: &mut Vec<f32>) {
-        let rb = self.format.row_len(self.cols);
-        if self.format == WeightFormat::Bf16 {
-            // Exact either way; MLA decodes kv_b_proj rows on every forward.
-            crate::kernels::bf16::bf16_to_f32(
-                self.kernels.isa,
-                &self.data[r * rb..(r + 1) * rb],
-                &mut out[..self.cols],
-            );
-            return;
-        }
         self.row_scales(r, scales);
-        let data = &self.data[r * rb..(r + 1) * rb];
-        if self.kernels.isa == Isa::Scalar {
-            crate::kernels::scalar::decode_row(self.format, data, scales, self.cols, out);
-        } else {
-            crate::kernels::vector::decode_row(self.format, data, scales, self.cols, out);
-        }
+        self.decode_row_scaled(r, scales, out);
     }
 
     /// Row `r` decoded into `out[..cols]` with its scales `scales` (as
-    /// [`WeightMatrix::row_scales`] gives them): the same bits as [`WeightMatrix::decode_row_with`].
+    /// [`WeightMatrix::row_scales`] gives them; BF16's are not read).
     pub fn decode_row_scaled(&self, r: usize, scales: &[f32], out: &mut [f32]) {
         let rb = self.format.row_len(self.cols);
         let data = &self.data[r * rb..(r + 1) * rb];

@@ -416,11 +416,12 @@ impl TokenMixer for MlaAttention {
                 if let Some(uk) = &uk {
                     let coef = &q[(t0 * h_n + h) * qk..];
                     axpy_rows_decoded(uk, coef, h_n * qk, &mut q_abs[..tn * kl]);
-                }
-                for d in (0..nope).filter(|_| uk.is_none()) {
-                    kv_b.decode_row_scaled(r0 + d, row_scales(d), &mut row);
-                    for (t, qa) in q_abs.chunks_mut(kl).take(tn).enumerate() {
-                        axpy(qa, q[((t0 + t) * h_n + h) * qk + d], &row);
+                } else {
+                    for d in 0..nope {
+                        kv_b.decode_row_scaled(r0 + d, row_scales(d), &mut row);
+                        for (t, qa) in q_abs.chunks_mut(kl).take(tn).enumerate() {
+                            axpy(qa, q[((t0 + t) * h_n + h) * qk + d], &row);
+                        }
                     }
                 }
                 for (t, (qa, cx)) in q_abs
@@ -435,11 +436,12 @@ impl TokenMixer for MlaAttention {
                 // out[t, dv] = W_uv[dv] . ctx[t]
                 if let Some(uv) = &uv {
                     dots_rows_decoded(uv, &ctx[..tn * kl], tn, &mut out[t0 * vd..], vd);
-                }
-                for dv in (0..vd).filter(|_| uv.is_none()) {
-                    kv_b.decode_row_scaled(r0 + nope + dv, row_scales(nope + dv), &mut row);
-                    for (t, cx) in ctx.chunks(kl).take(tn).enumerate() {
-                        out[(t0 + t) * vd + dv] = dot(&row, cx);
+                } else {
+                    for dv in 0..vd {
+                        kv_b.decode_row_scaled(r0 + nope + dv, row_scales(nope + dv), &mut row);
+                        for (t, cx) in ctx.chunks(kl).take(tn).enumerate() {
+                            out[(t0 + t) * vd + dv] = dot(&row, cx);
+                        }
                     }
                 }
             }
