@@ -26,12 +26,14 @@
 # benches/results/vs_llamacpp_cap${OUT_SUFFIX}.json.
 #
 #   sudo benches/vs_llamacpp_cap.sh [--formats int4,q8,bf16] [--cap-percent 40] [--decode 16]
-#        [--throttle BPS] [--rounds 1]
+#        [--throttle BPS] [--rounds 1] [--hash-check all|sampled:N|off] [--no-llama]
+# --hash-check is passed to deltafin's generate (default all, as a user runs it); --no-llama
+# runs deltafin alone (overlap only, no ratio).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
 ORIG_ARGS="$*"
-FORMATS=int4,q8,bf16; PCT=40; DECODE=16; THROTTLE=""; ROUNDS=1
+FORMATS=int4,q8,bf16; PCT=40; DECODE=16; THROTTLE=""; ROUNDS=1; HASH_CHECK=all; NO_LLAMA=""
 LLAMA_TIMEOUT=${LLAMA_TIMEOUT:-1800}; THREADS_PER_DRIVE=4
 while [ $# -gt 0 ]; do
     case $1 in
@@ -40,6 +42,8 @@ while [ $# -gt 0 ]; do
         --decode) DECODE=$2; shift 2 ;;
         --throttle) THROTTLE=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
+        --hash-check) HASH_CHECK=$2; shift 2 ;;
+        --no-llama) NO_LLAMA=1; shift ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -84,7 +88,7 @@ for f in "${formats[@]}"; do
     ggufs=()
     for g in "$work/ds-$f.gguf" "$work/ds-$f-experts.gguf"; do
         [ -f "$g" ] || continue # bf16 has no experts-only variant
-        if [ -n "$THROTTLE" ]; then cp "$g" "$drive/"; ggufs+=("$drive/$(basename "$g")"); else ggufs+=("$g"); fi
+        if [ -n "$THROTTLE" ] && [ -z "$NO_LLAMA" ]; then cp "$g" "$drive/"; ggufs+=("$drive/$(basename "$g")"); else ggufs+=("$g"); fi
     done
     # Compute time of a token in RAM (page cache warm, no cap).
     cat "$model"/*.safetensors > /dev/null
@@ -112,7 +116,7 @@ for f in "${formats[@]}"; do
         # Paced, deltafin stays out of the blkio group (see the header).
         blk_saved=$blk; [ -n "$THROTTLE" ] && blk=""
         out=$(in_cap "$bin" generate --model "$drive/ds-$f" --prompt-ids 5 -n "$DECODE" --ignore-eos \
-            --ram-budget "$cap" --threads-per-drive $THREADS_PER_DRIVE "${pace[@]}" --json -q 2>/dev/null | tail -1)
+            --ram-budget "$cap" --threads-per-drive $THREADS_PER_DRIVE --hash-check "$HASH_CHECK" "${pace[@]}" --json -q 2>/dev/null | tail -1)
         blk=$blk_saved
         if [ -n "$THROTTLE" ]; then rate_after=$THROTTLE; else rate_after=$(fio_rate); fi
         rate=$(( (rate_before + rate_after) / 2 ))
@@ -125,6 +129,7 @@ busy_s = sum(d['busy_s'] for d in x['drive_stats'])
 io_s = x['bytes_read_per_token'] / $rate
 compute_s = 1.0 / $compute_tps
 print(json.dumps({'engine': 'deltafin', 'format': '$f', 'round': $r, 'cap_bytes': $cap, 'model_bytes': $bytes,
+                  'hash_check': '$HASH_CHECK',
                   'tokens_per_s': 1.0 / s, 'peak_rss_bytes': x['peak_rss_bytes'],
                   'bytes_read_per_token': x['bytes_read_per_token'],
                   'decode_io_stall_s': x.get('decode_io_stall_s'),
@@ -136,6 +141,7 @@ print(json.dumps({'engine': 'deltafin', 'format': '$f', 'round': $r, 'cap_bytes'
                   'drive_busy_s_per_token': busy_s / n, 'tokens': n,
                   'io_s_per_token': io_s, 'compute_s_per_token': compute_s, 'decode_s_per_token': s,
                   'overlap_ratio': s / max(io_s, compute_s)}))" >> "$raw"
+        [ -n "$NO_LLAMA" ] && continue
         for g in "${ggufs[@]}"; do
             drop
             in_cap timeout "$LLAMA_TIMEOUT" "$lbin/llama-bench" -m "$g" -t 2 -p 0 -n "$DECODE" -r 1 --repack 0 \
@@ -156,12 +162,14 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 table = []
 for f in dict.fromkeys(r["format"] for r in rows):
     ours = [r for r in rows if r["engine"] == "deltafin" and r["format"] == f]
-    for file in dict.fromkeys(r["file"] for r in rows if r["engine"] == "llama.cpp" and r["format"] == f):
+    files = list(dict.fromkeys(r["file"] for r in rows if r["engine"] == "llama.cpp" and r["format"] == f))
+    for file in files or [None]:
         theirs = [r for r in rows if r["engine"] == "llama.cpp" and r["format"] == f and r["file"] == file]
         o = statistics.median(r["tokens_per_s"] for r in ours)
-        t = statistics.median(r["tokens_per_s"] for r in theirs)
+        t = statistics.median(r["tokens_per_s"] for r in theirs) if theirs else None
         table.append({"format": f, "llama_cpp_file": file, "cap_bytes": ours[0]["cap_bytes"],
-                      "deltafin_tokens_per_s": o, "llama_cpp_tokens_per_s": t, "ratio": o / t,
+                      "hash_check": ours[0].get("hash_check"),
+                      "deltafin_tokens_per_s": o, "llama_cpp_tokens_per_s": t, "ratio": o / t if t else None,
                       "overlap_ratio": statistics.median(r["overlap_ratio"] for r in ours),
                       "overlap_ratios": [r["overlap_ratio"] for r in ours],
                       "io_s_per_token": statistics.median(r["io_s_per_token"] for r in ours),
@@ -175,8 +183,9 @@ out = {"benchmark": f"decode with memory capped at {sys.argv[3]}% of the model (
        "table": table, "runs": rows}
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for t in table:
-    print(f"{t['format']:5} {t['llama_cpp_file']:22} deltafin {t['deltafin_tokens_per_s']:7.2f}  "
-          f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  ratio {t['ratio']:.1f}x  "
+    theirs = (f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  ratio {t['ratio']:.1f}x  "
+              if t["ratio"] else "")
+    print(f"{t['format']:5} {t['llama_cpp_file'] or '-':22} deltafin {t['deltafin_tokens_per_s']:7.2f}  {theirs}"
           f"decode/max(io, compute) {t['overlap_ratio']:.2f} (io {t['io_s_per_token']*1e3:.1f} ms, "
           f"compute {t['compute_s_per_token']*1e3:.1f} ms, decode {t['decode_s_per_token']*1e3:.1f} ms)")
 PY

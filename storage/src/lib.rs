@@ -6,7 +6,8 @@
 //!   its tensors form routed experts (the naming comes from the caller: no model family here).
 //! - [`checkpoint_writer`]: write a checkpoint from a tensor plan (synthetic models).
 //! - [`stripe`]: where logical bytes live on the drives (replicate / stripe).
-//! - [`manifest`]: the versioned layout manifest.
+//! - [`manifest`]: the versioned layout manifest; [`record_hash`]: what a landed record is
+//!   checked against.
 //! - [`layout`]: writing a layout; opening one from any drive. [`lock`]: per-drive advisory
 //!   locks on a layout name.
 //! - [`buffer`]: aligned buffers and a capped pool.
@@ -31,6 +32,7 @@ pub mod lock;
 pub mod manifest;
 pub mod naming;
 pub mod paced_backend;
+pub mod record_hash;
 pub mod safetensors;
 pub mod store;
 pub mod stripe;

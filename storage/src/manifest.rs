@@ -13,8 +13,9 @@ use crate::safetensors::Dtype;
 use crate::stripe::{Mode, Placement};
 
 /// Format version this build writes and the newest it reads. Version 2 added `content_hash`
-/// (version 1 manifests still open; only the cross-drive comparison protects them).
-pub const MANIFEST_VERSION: u32 = 2;
+/// (version 1 manifests still open; only the cross-drive comparison protects them); version 3
+/// a record's `xxh3`, the hash reads check (`record_hash`; older layouts are read with blake3).
+pub const MANIFEST_VERSION: u32 = 3;
 /// Value of the `format` field.
 pub const MANIFEST_FORMAT: &str = "deltafin-layout";
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -64,6 +65,9 @@ pub struct RecordEntry {
     pub len: u64,
     /// blake3 of the `len` payload bytes, hex.
     pub hash: String,
+    /// XXH3-128 of the same bytes, 32 hex digits (version 3 on; required there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xxh3: Option<String>,
     /// Tensors of resident records; expert records use their layer's template.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tensors: Vec<RecordTensor>,
@@ -303,6 +307,15 @@ impl Manifest {
             if r.hash.len() != 64 || !r.hash.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(bad(format!("{}: hash is not 64 hex digits", r.id)));
             }
+            match &r.xxh3 {
+                Some(x) if crate::record_hash::parse_xxh3_hex(x).is_none() => {
+                    return Err(bad(format!("{}: xxh3 is not 32 hex digits", r.id)));
+                }
+                None if self.version >= 3 => {
+                    return Err(bad(format!("{}: no xxh3 (required from version 3)", r.id)));
+                }
+                _ => {}
+            }
             let (tensors, want_len) = match &r.id {
                 RecordId::Expert { layer, .. } => {
                     let t = self.template(*layer).ok_or_else(|| {
@@ -427,6 +440,7 @@ mod tests {
                     offset: 0,
                     len: 10,
                     hash: h.clone(),
+                    xxh3: Some("cd".repeat(16)),
                     tensors: vec![RecordTensor {
                         name: "model.norm.weight".into(),
                         dtype: Dtype::Bf16,
@@ -443,6 +457,7 @@ mod tests {
                     offset: 4096,
                     len: 6000,
                     hash: h,
+                    xxh3: Some("ef".repeat(16)),
                     tensors: vec![],
                 },
             ],
@@ -491,6 +506,7 @@ mod tests {
         let edits: Vec<(&str, serde_json::Value)> = vec![
             ("/config/model_type", serde_json::json!("other")),
             ("/records/0/hash", serde_json::json!("cd".repeat(32))),
+            ("/records/1/xxh3", serde_json::json!("01".repeat(16))),
             (
                 "/expert_templates/0/tensors/0/dtype",
                 serde_json::json!("F16"),
@@ -543,6 +559,25 @@ mod tests {
         let mut m = sample();
         m.records[0].tensors[0].len = 11;
         assert!(Manifest::from_bytes(p, &serde_json::to_vec(&m).unwrap()).is_err());
+
+        let mut m = sample();
+        m.records[0].xxh3 = Some("xyz".into());
+        let err = Manifest::from_bytes(p, &serde_json::to_vec(&m.sealed()).unwrap()).unwrap_err();
+        assert!(
+            err.to_string().contains("xxh3 is not 32 hex digits"),
+            "{err}"
+        );
+        let mut m = sample();
+        m.records[1].xxh3 = None;
+        let err = Manifest::from_bytes(p, &serde_json::to_vec(&m.sealed()).unwrap()).unwrap_err();
+        assert!(
+            err.to_string().contains("layer 1 expert 0: no xxh3"),
+            "{err}"
+        );
+        // A version 2 layout has none and still opens (its reads check blake3).
+        m.version = 2;
+        m.records[0].xxh3 = None;
+        assert!(Manifest::from_bytes(p, &serde_json::to_vec(&m.sealed()).unwrap()).is_ok());
 
         assert!(Manifest::from_bytes(p, b"{\"format\":\"other\"}").is_err());
         assert!(Manifest::from_bytes(p, b"[1,2").is_err());

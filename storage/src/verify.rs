@@ -11,6 +11,7 @@ use crate::engine::{Engine, Lane, Target};
 use crate::error::{Result, StorageError};
 use crate::layout::Progress;
 use crate::manifest::{Manifest, DATA_FILE, UNIT_HASHES_FILE};
+use crate::record_hash::RecordHasher;
 use crate::stripe::Mode;
 
 /// One bad range.
@@ -109,7 +110,8 @@ struct Stream {
     next_process: usize,
     ready: BTreeMap<usize, crate::engine::Loaded>,
     rec: usize,
-    hasher: blake3::Hasher,
+    /// Both hashes of the record being read (verify checks each one the manifest has).
+    hasher: RecordHasher,
 }
 
 /// Open the layout at `path` (any drive's copy) and verify it with `threads_per_drive`
@@ -192,7 +194,7 @@ pub fn verify(engine: &Engine, dirs: &[PathBuf], progress: &dyn Progress) -> Res
             next_process: 0,
             ready: BTreeMap::new(),
             rec: 0,
-            hasher: blake3::Hasher::new(),
+            hasher: RecordHasher::new(),
         })
         .collect();
     let total: u64 = streams
@@ -309,8 +311,13 @@ pub fn verify(engine: &Engine, dirs: &[PathBuf], progress: &dyn Progress) -> Res
                 }
                 if r.offset + r.len <= hi {
                     records_checked += 1;
-                    let h = std::mem::take(&mut s.hasher).finalize();
-                    if h.to_hex().as_str() != r.hash {
+                    let (blake3_hex, xxh3_hex) = s.hasher.finish();
+                    let differs = match (blake3_hex != r.hash, r.xxh3.as_ref()) {
+                        (true, _) => Some("hash"),
+                        (false, Some(x)) if *x != xxh3_hex => Some("xxh3"),
+                        _ => None,
+                    };
+                    if let Some(which) = differs {
                         let (rd, roff) = match manifest.mode {
                             Mode::Replicate => (d, r.offset),
                             Mode::Stripe => placement.unit_location(r.offset / placement.unit),
@@ -325,7 +332,7 @@ pub fn verify(engine: &Engine, dirs: &[PathBuf], progress: &dyn Progress) -> Res
                             file: file_of(rd),
                             offset: roff,
                             len: r.len,
-                            what: format!("record {} hash differs", r.id),
+                            what: format!("record {} {which} differs", r.id),
                         });
                     }
                     s.rec += 1;

@@ -306,3 +306,68 @@ fn fetch_by_layer_and_expert() {
     let err = engine.fetch_experts(2, &[3, 16], Lane::Demand).unwrap_err();
     assert!(err.to_string().contains("layer 2 expert 16"), "{err}");
 }
+
+/// Rewrite every drive's manifest through `edit` (resealed: a consistent manifest, not a
+/// tampered one).
+fn rewrite_manifests(ds: &[PathBuf], edit: impl Fn(&mut deltafin_storage::manifest::Manifest)) {
+    for (i, d) in ds.iter().enumerate() {
+        let dir = d.join("m");
+        let mut m = deltafin_storage::manifest::Manifest::load(&dir).unwrap();
+        assert_eq!(m.this_drive, i);
+        edit(&mut m);
+        m.store(&dir).unwrap();
+    }
+}
+
+#[test]
+fn reads_check_xxh3_and_version_2_layouts_blake3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = write_model(&tmp.path().join("model"), MODEL_A, 12);
+    let ds = drives(tmp.path(), 2);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 8192), &NoProgress).unwrap();
+    assert!(m.records.iter().all(|r| r.xxh3.is_some()));
+    let want = RecordId::Expert {
+        layer: 1,
+        expert: 3,
+    };
+    let idx = m.records.iter().position(|r| r.id == want).unwrap();
+    let read = || {
+        let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::All);
+        engine.read_record(idx, None)
+    };
+    assert!(read().is_ok());
+
+    // Reads check the record's xxh3: a consistent manifest whose xxh3 is wrong fails them
+    // (the data is intact), and `verify` names the record's xxh3.
+    rewrite_manifests(&ds, |m| m.records[idx].xxh3 = Some("0".repeat(32)));
+    let err = read().unwrap_err();
+    assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("layer 1 expert 3"), "{err}");
+    let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::Off);
+    let dirs: Vec<PathBuf> = ds.iter().map(|d| d.join("m")).collect();
+    let report = deltafin_storage::verify::verify(&engine, &dirs, &NoProgress).unwrap();
+    let text: Vec<String> = report.mismatches.iter().map(|m| m.to_string()).collect();
+    assert!(
+        text.iter()
+            .any(|t| t.contains("record layer 1 expert 3 xxh3 differs")),
+        "{text:?}"
+    );
+
+    // A version 2 layout has no xxh3: its reads check blake3, and still catch a flipped byte.
+    rewrite_manifests(&ds, |m| {
+        m.version = 2;
+        for r in &mut m.records {
+            r.xxh3 = None;
+        }
+    });
+    assert!(read().is_ok());
+    let rec = &m.records[idx];
+    let piece = m.placement().pieces(rec.offset, rec.len)[0];
+    let data = ds[piece.drive].join("m").join(DATA_FILE);
+    let mut bytes = std::fs::read(&data).unwrap();
+    bytes[(piece.file_offset + 100) as usize] ^= 0x01;
+    std::fs::write(&data, &bytes).unwrap();
+    let err = read().unwrap_err();
+    assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("layer 1 expert 3"), "{err}");
+}

@@ -67,7 +67,7 @@ impl ModelPath {
 pub struct OpenOptions {
     /// Layouts: reads in flight per drive.
     pub threads_per_drive: usize,
-    /// Layouts: blake3 checks of records as they are read.
+    /// Layouts: hash checks of records as they are read.
     pub hash_check: HashCheck,
     /// Layouts: expert cache policy.
     pub cache_policy: CachePolicy,

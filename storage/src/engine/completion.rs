@@ -32,8 +32,7 @@ pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
         (Some(_), None) if req.cancelled.load(Ordering::Acquire) => Err(StorageError::Cancelled),
         (Some(buf), None) => match &req.expected_hash {
             Some(want) => {
-                let got = blake3::hash(&buf[..req.payload_len]);
-                if got.to_hex().as_str() == want {
+                if want.matches(&buf[..req.payload_len]) {
                     Ok(Loaded {
                         target: req.target.clone(),
                         tag: req.tag,

@@ -13,7 +13,8 @@ pub enum Lane {
     Prefetch = 1,
 }
 
-/// How many completed records get their blake3 checked.
+/// How many completed records get their hash checked (XXH3-128, or blake3 on version 2
+/// layouts: `record_hash`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HashCheck {
     Off,

@@ -1,5 +1,5 @@
 //! The read engine: per-drive pools of `pread` worker threads fed over bounded crossbeam
-//! channels, two priority lanes, aligned pooled buffers filled in place, optional blake3 checks.
+//! channels, two priority lanes, aligned pooled buffers filled in place, optional hash checks (`record_hash`).
 //!
 //! A request names a record of the manifest (or, for `verify`, a raw range of one drive). It is
 //! cut into pieces at stripe-unit boundaries; each piece goes to a drive's demand or prefetch
@@ -58,6 +58,7 @@ use crate::engine::schedule::least_loaded;
 use crate::engine::shared::Shared;
 use crate::error::{Result, StorageError};
 use crate::manifest::{Manifest, RecordEntry, RecordId, RecordTensor, DATA_FILE};
+use crate::record_hash::RecordHash;
 use crate::stripe::{align_up, Mode, Piece, ALIGN};
 
 /// The engine over one layout's drives.
@@ -214,7 +215,7 @@ impl Engine {
 
     /// Reads (pieces after an I/O error, whole records after a hash mismatch) that another
     /// replica served (replicate mode).
-    /// Which records get their blake3 checked as they land.
+    /// Which records get their hash (`record_hash`) checked as they land.
     pub fn hash_check(&self) -> HashCheck {
         self.shared.hash_check
     }
@@ -238,7 +239,7 @@ impl Engine {
 
     /// The pieces a target is read as (drives chosen, nothing counted yet), its payload
     /// length and the hash to check it against.
-    fn plan(&self, target: &Target) -> Result<(Vec<Piece>, usize, Option<String>)> {
+    fn plan(&self, target: &Target) -> Result<(Vec<Piece>, usize, Option<RecordHash>)> {
         let sh = &self.shared;
         let placement = sh.manifest.placement();
         match target {
@@ -258,7 +259,13 @@ impl Engine {
                         extra[p.drive] += p.len;
                     }
                 }
-                Ok((pieces, r.len as usize, Some(r.hash.clone())))
+                // Manifest validation refused unparseable hashes; `None` would only skip a
+                // check, so refuse the read instead.
+                let hash =
+                    RecordHash::from_manifest_hex(&r.hash, r.xxh3.as_deref()).ok_or_else(|| {
+                        StorageError::InvalidArgument(format!("{}: unparseable record hash", r.id))
+                    })?;
+                Ok((pieces, r.len as usize, Some(hash)))
             }
             Target::Raw { drive, offset, len } => {
                 if *drive >= sh.drives.len() || offset % ALIGN != 0 || len % ALIGN != 0 {

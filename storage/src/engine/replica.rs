@@ -99,7 +99,7 @@ pub(crate) fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) 
             if !ok {
                 continue;
             }
-            if blake3::hash(&buf[..req.payload_len]).to_hex().as_str() != want {
+            if !want.matches(&buf[..req.payload_len]) {
                 // This whole copy of the record is corrupt: rest the drive, repair it below.
                 drive.mark_failed();
                 corrupt_copies.push(k);

@@ -8,6 +8,7 @@ use crossbeam_channel::Sender;
 
 use crate::buffer::{AlignedBuf, PooledBuf};
 use crate::error::{Result, StorageError};
+use crate::record_hash::RecordHash;
 use crate::stripe::Piece;
 
 /// A filled buffer: a record's payload (`len` bytes) or a raw range.
@@ -64,7 +65,7 @@ pub struct Loaded {
     /// The caller's tag from `submit`.
     pub tag: u64,
     pub buf: ReadBuf,
-    /// True when the blake3 of the payload was checked (and matched).
+    /// True when the payload's hash was checked (and matched).
     pub verified: bool,
 }
 
@@ -107,7 +108,7 @@ pub(crate) struct InFlight {
     pub target: Target,
     pub tag: u64,
     pub payload_len: usize,
-    pub expected_hash: Option<String>,
+    pub expected_hash: Option<RecordHash>,
     pub ptr: BufPtr,
     pub buf: Mutex<Option<ReadBuf>>,
     pub pieces: Vec<PieceSlot>,

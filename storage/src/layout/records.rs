@@ -7,6 +7,7 @@ use crate::layout::plan::{Plan, PlannedRecord};
 use crate::layout::transform::{ExpertTransform, PartSpec};
 use crate::layout::writer::LogicalWriter;
 use crate::manifest::{RecordEntry, RecordId, RecordTensor};
+use crate::record_hash::RecordHasher;
 
 /// Bytes copied from the checkpoint per write.
 const CHUNK: u64 = 4 << 20;
@@ -32,7 +33,7 @@ pub(crate) fn write_records(
         };
         let mut out = RecordOut {
             lw: &mut *lw,
-            hasher: blake3::Hasher::new(),
+            hasher: RecordHasher::new(),
             pos: 0,
         };
         match (&r.transform_from, transform, &r.id) {
@@ -44,11 +45,13 @@ pub(crate) fn write_records(
             }
             _ => write_copied(ckpt, r, template, &mut out)?,
         }
+        let (hash, xxh3) = out.hasher.finish();
         entries.push(RecordEntry {
             id: r.id.clone(),
             offset: r.offset,
             len: r.len,
-            hash: out.hasher.finalize().to_hex().to_string(),
+            hash,
+            xxh3: Some(xxh3),
             tensors: r.tensors.clone(),
         });
     }
@@ -58,7 +61,7 @@ pub(crate) fn write_records(
 /// One record being written: its hash and position within it.
 struct RecordOut<'w, 'p> {
     lw: &'w mut LogicalWriter<'p>,
-    hasher: blake3::Hasher,
+    hasher: RecordHasher,
     pos: u64,
 }
 

@@ -1,0 +1,160 @@
+//! The hash a record's bytes are checked against as they land.
+//!
+//! A layout's manifest carries two hashes per record: blake3 (the layout's authority: `verify`,
+//! the content hash, repairs) and, from manifest version 3, XXH3-128. Reads check XXH3-128:
+//! it runs at memory speed (~10 GB/s on one Zen 2 core, 3.5x blake3's 2.9 GB/s), and every
+//! byte a decode token streams is hashed on the same cores that compute it. Both catch any
+//! accidental change (a miss has probability 2^-128); neither is a signature (the manifest
+//! that holds them is unkeyed), so the faster one loses nothing. Version 2 manifests have no
+//! XXH3 and are checked with blake3.
+
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+
+/// What a landed record must hash to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordHash {
+    Xxh3(u128),
+    Blake3([u8; 32]),
+}
+
+impl RecordHash {
+    /// The check for a record whose manifest entry holds `blake3_hex` and `xxh3_hex`: the
+    /// XXH3-128 when there is one, else the blake3. `None` if the hex does not parse
+    /// (manifest validation refuses such entries before this).
+    pub fn from_manifest_hex(blake3_hex: &str, xxh3_hex: Option<&str>) -> Option<RecordHash> {
+        match xxh3_hex {
+            Some(h) => parse_xxh3_hex(h).map(RecordHash::Xxh3),
+            None => blake3::Hash::from_hex(blake3_hex)
+                .ok()
+                .map(|h| RecordHash::Blake3(*h.as_bytes())),
+        }
+    }
+
+    /// True when `bytes` hash to this value.
+    pub fn matches(&self, bytes: &[u8]) -> bool {
+        match self {
+            RecordHash::Xxh3(want) => xxh3_128(bytes) == *want,
+            RecordHash::Blake3(want) => blake3::hash(bytes) == blake3::Hash::from_bytes(*want),
+        }
+    }
+
+    /// Which function this is, for reports.
+    pub fn algorithm(&self) -> &'static str {
+        match self {
+            RecordHash::Xxh3(_) => "xxh3-128",
+            RecordHash::Blake3(_) => "blake3",
+        }
+    }
+}
+
+/// XXH3-128 as the manifest writes it: 32 lowercase hex digits, most significant first.
+pub fn xxh3_hex(value: u128) -> String {
+    format!("{value:032x}")
+}
+
+/// The inverse of [`xxh3_hex`]; `None` unless exactly 32 hex digits.
+pub fn parse_xxh3_hex(s: &str) -> Option<u128> {
+    if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u128::from_str_radix(s, 16).ok()
+}
+
+/// Both of a record's hashes, fed as its bytes are written or read in order.
+#[derive(Default)]
+pub struct RecordHasher {
+    blake3: blake3::Hasher,
+    xxh3: Xxh3,
+}
+
+impl std::fmt::Debug for RecordHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordHasher").finish_non_exhaustive()
+    }
+}
+
+impl RecordHasher {
+    pub fn new() -> RecordHasher {
+        RecordHasher::default()
+    }
+
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.blake3.update(bytes);
+        self.xxh3.update(bytes);
+    }
+
+    /// (blake3 hex, XXH3-128 hex) of everything fed; the hasher starts over.
+    pub fn finish(&mut self) -> (String, String) {
+        let b = std::mem::take(&mut self.blake3)
+            .finalize()
+            .to_hex()
+            .to_string();
+        let x = xxh3_hex(self.xxh3.digest128());
+        self.xxh3.reset();
+        (b, x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (blake3 hex, XXH3-128 hex) of `bytes`, fed in uneven pieces as a record is written.
+    fn hexes(bytes: &[u8]) -> (String, String) {
+        let mut h = RecordHasher::new();
+        for c in bytes.chunks(1000) {
+            h.update(c);
+        }
+        h.finish()
+    }
+
+    #[test]
+    fn streamed_hashes_equal_one_shot_and_any_flipped_bit_fails() {
+        let bytes: Vec<u8> = (0..70_001u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let (b, x) = hexes(&bytes);
+        for with_xxh3 in [true, false] {
+            let check = RecordHash::from_manifest_hex(&b, with_xxh3.then_some(x.as_str())).unwrap();
+            assert_eq!(
+                check.algorithm(),
+                if with_xxh3 { "xxh3-128" } else { "blake3" }
+            );
+            assert!(check.matches(&bytes));
+            for pos in [0, 1, 4095, 4096, 35_000, bytes.len() - 1] {
+                for bit in [0, 7] {
+                    let mut bad = bytes.clone();
+                    bad[pos] ^= 1 << bit;
+                    assert!(!check.matches(&bad), "{with_xxh3} {pos} {bit}");
+                }
+            }
+            assert!(!check.matches(&bytes[..bytes.len() - 1]));
+        }
+        assert_eq!(b, blake3::hash(&bytes).to_hex().to_string());
+        assert_eq!(x, xxh3_hex(xxh3_128(&bytes)));
+        assert_eq!(RecordHash::from_manifest_hex("zz", None), None);
+        assert_eq!(RecordHash::from_manifest_hex(&b, Some("zz")), None);
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_malformed() {
+        for v in [
+            0u128,
+            1,
+            u128::MAX,
+            0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+        ] {
+            assert_eq!(parse_xxh3_hex(&xxh3_hex(v)), Some(v));
+        }
+        for s in [
+            "",
+            "0",
+            &"0".repeat(31),
+            &"0".repeat(33),
+            &"g".repeat(32),
+            "+0000000000000000000000000000000",
+        ] {
+            assert_eq!(parse_xxh3_hex(s), None, "{s}");
+        }
+    }
+}
