@@ -61,6 +61,23 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
 }
 
+impl Command {
+    /// True when the command reads its model from a layout (and so under a RAM budget).
+    fn reads_a_layout(&self) -> bool {
+        let is_layout =
+            |p: &std::path::Path| deltafin_storage::manifest::manifest_path(p).is_file();
+        match self {
+            Command::Demo(_) | Command::Bench(BenchCommand::Generate(_)) => true,
+            Command::Generate(a) => is_layout(&a.source.model),
+            Command::Logits(a) => is_layout(&a.source.model),
+            Command::Chat(a) => is_layout(&a.source.model),
+            Command::Serve(a) => is_layout(&a.source.model),
+            Command::Bench(BenchCommand::Compute(a)) => is_layout(&a.model),
+            _ => false,
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum BenchCommand {
     /// Read expert records as decoding does; compare with fio on the same files.
@@ -73,8 +90,9 @@ enum BenchCommand {
 
 fn main() {
     let cli = Cli::parse();
-    // Every command: peak RSS tracks what is live, without mapping each prefill buffer anew.
-    deltafin_inference::run::memory::tame_allocator();
+    // Every command: peak RSS tracks what is live, without mapping each prefill buffer anew;
+    // one reading a layout (held to a RAM budget) also reuses freed memory across threads.
+    deltafin_inference::run::memory::tame_allocator(cli.command.reads_a_layout());
     // The command runs on a rayon worker, so that the model's many parallel kernel calls per
     // token start on a pool thread; from the main thread each call is handed to the pool and
     // waits for a wake-up (benches/results/pool_dispatch.json).

@@ -8,13 +8,27 @@
 /// values cost prefill dearly: at 256 KiB a 32-token chunk's activations (each a few hundred
 /// KiB) were mapped, faulted in, zeroed and unmapped in every layer, 29% of its time
 /// (benches/results/vs_llamacpp*.json, INT4 prefill 200 -> 279 tokens/s).
-pub fn tame_allocator() {
+///
+/// With `bounded` (a process held to a RAM budget: one reading a layout), also one arena for
+/// every thread: a block freed on one thread (an expert buffer under 4 MiB landed by an I/O
+/// thread, dropped by the forward pass) went back to that thread's arena, where the others
+/// could not reuse it. An INT4 decode at a 745 MB `--ram-budget` grew to 746-751 MB resident
+/// over its first 40 tokens (622 MB with one arena, 691 MB with two), and a cgroup limit at
+/// the budget killed it. Not for every process: in RAM the one arena's lock cost ~3% of Q8
+/// decode tokens/s (62.2 / 61.8 / 59.7 vs 64.9 / 63.2 / 62.0, alternated). Call before the
+/// process starts its threads.
+pub fn tame_allocator(bounded: bool) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tuning; it is thread-safe in glibc.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 4 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 8 << 20);
+        if bounded {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
     }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    let _ = bounded;
 }
 
 /// A field of /proc/self/status in bytes (`VmRSS`, `VmHWM`).
