@@ -167,9 +167,11 @@ pub enum StorageError {
         got: u64,
     },
 
-    #[error("{what}: blake3 mismatch (drive {drive}, {path}, offset {offset}, {len} bytes)")]
+    #[error("{algorithm} mismatch: {what} (drive {drive}, {path}, offset {offset}, {len} bytes)")]
     HashMismatch {
         what: String,
+        /// The hash the bytes failed (`xxh3-128`, or `blake3` on older layouts).
+        algorithm: &'static str,
         drive: usize,
         path: PathBuf,
         offset: u64,

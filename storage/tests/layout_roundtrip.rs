@@ -342,7 +342,11 @@ fn reads_check_xxh3_and_version_2_layouts_blake3() {
     rewrite_manifests(&ds, |m| m.records[idx].xxh3 = Some("0".repeat(32)));
     let err = read().unwrap_err();
     assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
-    assert!(err.to_string().contains("layer 1 expert 3"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("xxh3-128 mismatch: layer 1 expert 3"),
+        "{err}"
+    );
     let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::Off);
     let dirs: Vec<PathBuf> = ds.iter().map(|d| d.join("m")).collect();
     let report = deltafin_storage::verify::verify(&engine, &dirs, &NoProgress).unwrap();
@@ -369,5 +373,9 @@ fn reads_check_xxh3_and_version_2_layouts_blake3() {
     std::fs::write(&data, &bytes).unwrap();
     let err = read().unwrap_err();
     assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
-    assert!(err.to_string().contains("layer 1 expert 3"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("blake3 mismatch: layer 1 expert 3"),
+        "{err}"
+    );
 }

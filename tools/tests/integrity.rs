@@ -147,7 +147,7 @@ fn corrupted_expert_records_on_a_stripe_are_an_error_not_tokens() {
     let (ok, _, err) = generate(&dirs[0], &prompt);
     assert!(!ok, "generate succeeded over corrupt experts: {err}");
     let (l, e) = used[0];
-    assert!(err.contains("blake3 mismatch"), "{err}");
+    assert!(err.contains("xxh3-128 mismatch: layer"), "{err}");
     assert!(
         err.contains(&format!("layer {l} expert {e}")) || err.contains("expert"),
         "{err}"

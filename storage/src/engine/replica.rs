@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use crate::engine::locate::bad_units;
 use crate::engine::repair::repair_range;
-use crate::engine::request::{InFlight, Loaded, PieceSlot, ReadBuf, Target};
+use crate::engine::request::{InFlight, Loaded, ReadBuf, Target};
 use crate::engine::shared::Shared;
 use crate::error::{Result, StorageError};
 use crate::stripe::Piece;
@@ -137,10 +137,11 @@ pub(crate) fn recover_record(shared: &Shared, req: &InFlight, mut buf: ReadBuf) 
             });
         }
     }
-    Err(hash_mismatch(shared, &req.target, &req.pieces))
+    Err(hash_mismatch(shared, req))
 }
 
-fn hash_mismatch(shared: &Shared, target: &Target, pieces: &[PieceSlot]) -> StorageError {
+fn hash_mismatch(shared: &Shared, req: &InFlight) -> StorageError {
+    let (target, pieces) = (&req.target, &req.pieces[..]);
     let first = pieces
         .first()
         .map(|s| (s.served_by.load(Ordering::Relaxed), s.piece.file_offset));
@@ -185,6 +186,7 @@ fn hash_mismatch(shared: &Shared, target: &Target, pieces: &[PieceSlot]) -> Stor
     };
     StorageError::HashMismatch {
         what,
+        algorithm: req.expected_hash.map_or("hash", |h| h.algorithm()),
         drive,
         path: shared.drives[drive].path.clone(),
         offset,
