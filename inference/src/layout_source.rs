@@ -39,7 +39,8 @@ pub struct LayoutSourceOptions {
     pub buffer_cap_bytes: u64,
     /// Which cached expert to drop when the cap is reached.
     pub cache_policy: CachePolicy,
-    /// Which records get their hash (`record_hash`) checked as they land (resident and experts alike).
+    /// Which records get their hash (`record_hash`) checked as they land (resident and
+    /// experts alike).
     pub hash_check: HashCheck,
     /// Resident records read concurrently while loading the resident set.
     pub resident_in_flight: usize,

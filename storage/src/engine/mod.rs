@@ -1,5 +1,6 @@
 //! The read engine: per-drive pools of `pread` worker threads fed over bounded crossbeam
-//! channels, two priority lanes, aligned pooled buffers filled in place, optional hash checks (`record_hash`).
+//! channels, two priority lanes, aligned pooled buffers filled in place, optional hash checks
+//! (`record_hash`).
 //!
 //! A request names a record of the manifest (or, for `verify`, a raw range of one drive). It is
 //! cut into pieces at stripe-unit boundaries; each piece goes to a drive's demand or prefetch
@@ -213,8 +214,6 @@ impl Engine {
         self.threads_per_drive
     }
 
-    /// Reads (pieces after an I/O error, whole records after a hash mismatch) that another
-    /// replica served (replicate mode).
     /// Which records get their hash (`record_hash`) checked as they land.
     pub fn hash_check(&self) -> HashCheck {
         self.shared.hash_check

@@ -51,7 +51,8 @@ pub struct StoreOptions {
     pub buffer_cap_bytes: u64,
     /// Which cached expert to drop when the cap is reached.
     pub cache_policy: CachePolicy,
-    /// Which records get their hash (`record_hash`) checked as they land (resident and experts alike).
+    /// Which records get their hash (`record_hash`) checked as they land (resident and
+    /// experts alike).
     pub hash_check: HashCheck,
     /// The I/O backend (O_DIRECT files by default; fault injection in tests).
     pub backend: Arc<dyn IoBackend>,

@@ -19,7 +19,8 @@ pub struct SourceArgs {
     /// Layouts: reads in flight per drive.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub threads_per_drive: usize,
-    /// Layouts: hash checks of records as they are read (XXH3-128; blake3 on older layouts): off, `sampled[:N]` (one in N) or all.
+    /// Layouts: hash checks of records as they are read (XXH3-128; blake3 on older layouts):
+    /// off, `sampled[:N]` (one in N) or all.
     #[arg(long, default_value = "all", value_name = "MODE")]
     pub hash_check: HashCheck,
     /// Layouts: RAM budget for the whole process (resident weights, KV cache, activations, I/O
