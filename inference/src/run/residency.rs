@@ -110,9 +110,12 @@ pub fn kv_reserve(per_position: u64, fixed: u64, positions: usize) -> u64 {
 /// Memory a process is charged beyond what the budget counts: kernel page tables, the page
 /// cache of the binary and of files read buffered, an evicted expert buffer still held by the
 /// forward pass while its replacement is read. With the expert buffers allocated up front the
-/// process sits at its budget from the first token, and a cgroup memory limit equal to the
-/// budget OOM-killed an INT4 run (cap 745 MB, anonymous RSS 725 MB) without this margin.
-pub const CHARGE_HEADROOM: u64 = 64 << 20;
+/// process sits at its budget from the first token. A cgroup limit at the budget once
+/// OOM-killed an INT4 run (cap 745 MB, anonymous RSS 725 MB), with 64 MiB here: the cause was
+/// glibc's per-thread arenas keeping freed expert buffers (`memory::tame_allocator`). With one
+/// arena the same run peaks at 625 MB resident, 647 MB charged; at 16 MiB here, ~50 MB more
+/// go to the expert cache (closing_note_session23.md).
+pub const CHARGE_HEADROOM: u64 = 16 << 20;
 
 /// Activations and scratch of one prefill chunk of `chunk` positions attending to up to
 /// `positions`, plus allocator slack and [`CHARGE_HEADROOM`].
