@@ -28,7 +28,9 @@
 #   sudo benches/vs_llamacpp_cap.sh [--formats int4,q8,bf16] [--cap-percent 40] [--decode 16]
 #        [--throttle BPS] [--rounds 1] [--hash-check all|sampled:N|off] [--no-llama]
 # --hash-check is passed to deltafin's generate (default all, as a user runs it); --no-llama
-# runs deltafin alone (overlap only, no ratio).
+# runs deltafin alone (overlap only, no ratio). BENCH_ROOT=/dev/shm/... puts the --throttle
+# drive's image in RAM: a drive that always keeps up with the throttle (this machine's virtual
+# disk drifts between 0.7 and 2.3 GB/s), at the cost of a kernel memcpy per byte read.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(dirname "$here")
