@@ -319,6 +319,12 @@ fn rewrite_manifests(ds: &[PathBuf], edit: impl Fn(&mut deltafin_storage::manife
     }
 }
 
+/// `err` is a hash mismatch whose message contains `says`.
+fn assert_hash_mismatch(err: StorageError, says: &str) {
+    assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
+    assert!(err.to_string().contains(says), "{err}");
+}
+
 #[test]
 fn reads_check_xxh3_and_version_2_layouts_blake3() {
     let tmp = tempfile::tempdir().unwrap();
@@ -340,13 +346,7 @@ fn reads_check_xxh3_and_version_2_layouts_blake3() {
     // Reads check the record's xxh3: a consistent manifest whose xxh3 is wrong fails them
     // (the data is intact), and `verify` names the record's xxh3.
     rewrite_manifests(&ds, |m| m.records[idx].xxh3 = Some("0".repeat(32)));
-    let err = read().unwrap_err();
-    assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
-    assert!(
-        err.to_string()
-            .contains("xxh3-128 mismatch: layer 1 expert 3"),
-        "{err}"
-    );
+    assert_hash_mismatch(read().unwrap_err(), "xxh3-128 mismatch: layer 1 expert 3");
     let engine = engine_with(&ds, Arc::new(PosixBackend::default()), HashCheck::Off);
     let dirs: Vec<PathBuf> = ds.iter().map(|d| d.join("m")).collect();
     let report = deltafin_storage::verify::verify(&engine, &dirs, &NoProgress).unwrap();
@@ -371,11 +371,5 @@ fn reads_check_xxh3_and_version_2_layouts_blake3() {
     let mut bytes = std::fs::read(&data).unwrap();
     bytes[(piece.file_offset + 100) as usize] ^= 0x01;
     std::fs::write(&data, &bytes).unwrap();
-    let err = read().unwrap_err();
-    assert!(matches!(err, StorageError::HashMismatch { .. }), "{err}");
-    assert!(
-        err.to_string()
-            .contains("blake3 mismatch: layer 1 expert 3"),
-        "{err}"
-    );
+    assert_hash_mismatch(read().unwrap_err(), "blake3 mismatch: layer 1 expert 3");
 }

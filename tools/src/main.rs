@@ -64,8 +64,9 @@ enum Command {
 impl Command {
     /// True when the command reads its model from a layout (and so under a RAM budget).
     fn reads_a_layout(&self) -> bool {
+        use deltafin_inference::run::open::ModelPath;
         let is_layout =
-            |p: &std::path::Path| deltafin_storage::manifest::manifest_path(p).is_file();
+            |p: &std::path::Path| matches!(ModelPath::detect(p), Ok(ModelPath::Layout(_)));
         match self {
             Command::Demo(_) | Command::Bench(BenchCommand::Generate(_)) => true,
             Command::Generate(a) => is_layout(&a.source.model),
