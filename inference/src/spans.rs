@@ -152,6 +152,7 @@ impl Drop for Span {
             let ns = u64::try_from(s.elapsed().as_nanos()).unwrap_or(u64::MAX);
             NANOS[i].fetch_add(ns, Ordering::Relaxed);
             CALLS[i].fetch_add(1, Ordering::Relaxed);
+            deltafin_storage::timeline::record(self.phase.name(), s, Instant::now(), 0, 0);
         }
     }
 }

@@ -15,7 +15,8 @@
 //! - [`engine`]: per-drive `pread` workers, priority lanes, completion handles.
 //! - [`store`]: the expert store (cache, budget, prefetch) the inference crate reads through.
 //! - [`verify`]: check every byte of a layout; [`layout_repair`]: make a mirror's drives whole
-//!   again from good copies. [`bench`]: read benchmarks.
+//!   again from good copies. [`bench`]: read benchmarks. [`timeline`]: an opt-in trace of
+//!   reads, waits and compute phases on one clock.
 
 pub mod backend;
 pub mod bench;
@@ -36,6 +37,7 @@ pub mod record_hash;
 pub mod safetensors;
 pub mod store;
 pub mod stripe;
+pub mod timeline;
 pub mod verify;
 
 pub use error::{Result, SafetensorsError, StorageError};

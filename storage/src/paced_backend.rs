@@ -75,8 +75,10 @@ impl IoFile for PacedFile {
             *free_at
         };
         let now = Instant::now();
+        crate::timeline::record("pace_inner", issued, now, n as u64, 0);
         if done > now {
             std::thread::sleep(done - now);
+            crate::timeline::record("pace_sleep", done, Instant::now(), 0, 0);
         }
         Ok(n)
     }

@@ -10,6 +10,7 @@ use crossbeam_channel::Sender;
 
 use crate::backend::IoFile;
 use crate::clock::Clock;
+use crate::engine::config::LANES;
 use crate::engine::request::Job;
 use crate::error::{Result, StorageError};
 
@@ -56,7 +57,7 @@ struct BusyClock {
 pub(crate) struct Drive {
     pub path: PathBuf,
     pub file: Arc<dyn IoFile>,
-    pub lanes: [Sender<Job>; 2],
+    pub lanes: [Sender<Job>; LANES],
     pub outstanding: AtomicU64,
     pub bytes_read: AtomicU64,
     pub reads: AtomicU64,
@@ -75,7 +76,7 @@ impl Drive {
     pub fn new(
         path: PathBuf,
         file: Arc<dyn IoFile>,
-        lanes: [Sender<Job>; 2],
+        lanes: [Sender<Job>; LANES],
         unavailable: bool,
         retry_after: Duration,
         clock: Arc<dyn Clock>,
@@ -165,6 +166,11 @@ impl Drive {
             }
         }
         Ok(())
+    }
+
+    /// Whether a read of this drive is in progress (on any worker).
+    pub fn reading(&self) -> bool {
+        self.busy.lock().unwrap_or_else(|p| p.into_inner()).active > 0
     }
 
     fn busy_enter(&self) {

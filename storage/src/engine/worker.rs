@@ -2,15 +2,17 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-
-use crossbeam_channel::Receiver;
+use std::time::Instant;
 
 use crate::engine::completion::finish_piece;
+use crate::engine::config::Lane;
 use crate::engine::replica::read_other_replica;
 use crate::engine::request::{Job, Target};
-use crate::engine::schedule::{least_loaded, next_job};
+use crate::engine::schedule::{least_loaded, next_job, LaneReceivers};
 use crate::engine::shared::Shared;
+use crate::error::StorageError;
 use crate::stripe::Mode;
+use crate::timeline;
 
 /// Serve drive `d`'s lanes until a stop job: read each claimed piece straight into its slice of
 /// the request's buffer, fail over to another replica on an error (replicate mode), and finish
@@ -18,12 +20,23 @@ use crate::stripe::Mode;
 pub(crate) fn worker(
     shared: Arc<Shared>,
     d: usize,
-    lanes: Arc<Vec<(Receiver<Job>, Receiver<Job>)>>,
+    lanes: Arc<Vec<LaneReceivers>>,
+    serve_idle: bool,
 ) {
     let steal = shared.manifest.mode == Mode::Replicate && lanes.len() > 1;
-    while let Some(job) = next_job(&shared, d, &lanes, steal) {
+    let mut parked = None;
+    while let Some(job) = next_job(&shared, d, &lanes, steal, serve_idle, &mut parked) {
         let (req, piece) = match job {
-            Job::Stop => return,
+            Job::Stop => {
+                // An idle-lane piece held back: failed, so its requester is not left waiting.
+                if let Some(Job::Read { req, piece }) = parked.take() {
+                    if !req.pieces[piece].claimed.swap(true, Ordering::AcqRel) {
+                        req.set_error(StorageError::EngineClosed);
+                        finish_piece(&shared, &req, piece);
+                    }
+                }
+                return;
+            }
             Job::Read { req, piece } => (req, piece),
         };
         let slot = &req.pieces[piece];
@@ -55,7 +68,15 @@ pub(crate) fn worker(
         let dst = unsafe {
             std::slice::from_raw_parts_mut(req.ptr.0.add(p.buf_offset as usize), p.len as usize)
         };
-        match drive.read(rd, dst, p.file_offset) {
+        let started = Instant::now();
+        let read = drive.read(rd, dst, p.file_offset);
+        let kind = if req.lane.load(Ordering::Relaxed) == Lane::Demand as u8 {
+            "read_demand"
+        } else {
+            "read_prefetch"
+        };
+        timeline::record(kind, started, Instant::now(), rd as u64, p.len);
+        match read {
             Ok(()) => slot.served_by.store(rd, Ordering::Relaxed),
             Err(e) => {
                 drive.mark_failed();

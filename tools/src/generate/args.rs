@@ -35,6 +35,11 @@ pub struct SourceArgs {
     /// Layouts: do not prefetch the next layer's predicted experts.
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Layouts: do not read the predicted experts that are not likely enough to prefetch;
+    /// by default they are read while a drive would otherwise sit idle, one small piece at
+    /// a time.
+    #[arg(long)]
+    pub no_speculative_reads: bool,
     /// Layouts, benchmarks on emulated drives: pace each drive's reads to SIZE bytes/s the way
     /// a real drive's bandwidth limits them, idle time earning no credit (the cgroup blkio
     /// throttle credits up to 100 ms of it to the next read).
@@ -103,6 +108,12 @@ pub struct GenerateArgs {
     /// included (inside the feed-forward phases that fetch experts).
     #[arg(long)]
     pub profile: bool,
+    /// Write a timeline of the generation to FILE (JSON lines, nanoseconds on one clock):
+    /// every drive read (`read_demand` / `read_prefetch`: drive, bytes), every wait for one
+    /// (`stall`), every expert fetch (`batch`: layer; cached, in flight and to read) and the
+    /// forward pass's phases. What a profile cannot show: whether reads and compute overlap.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub spec: SpecArgs,
 }

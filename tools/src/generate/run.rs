@@ -91,8 +91,9 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if args.save_routing.is_some() {
         loaded.model().record_routing(true);
     }
-    deltafin_inference::spans::set_enabled(args.profile);
+    deltafin_inference::spans::set_enabled(args.profile || args.trace.is_some());
     deltafin_inference::spans::reset();
+    deltafin_storage::timeline::set_enabled(args.trace.is_some());
 
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -145,6 +146,11 @@ pub fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     }
     let run = result.context("generating")?;
     deltafin_inference::spans::set_enabled(false);
+    deltafin_storage::timeline::set_enabled(false);
+    if let Some(p) = &args.trace {
+        deltafin_storage::timeline::write_jsonl(p, &deltafin_storage::timeline::take())
+            .with_context(|| format!("--trace {}", p.display()))?;
+    }
     let profile = args.profile.then(deltafin_inference::spans::report);
     if let Some(p) = &args.save_routing {
         let counts = loaded
