@@ -42,9 +42,6 @@ pub struct LayoutSourceOptions {
     /// Which records get their hash (`record_hash`) checked as they land (resident and
     /// experts alike).
     pub hash_check: HashCheck,
-    /// Read the predicted experts the prefetch gate holds back while a drive would otherwise
-    /// sit idle (`StoreOptions::speculative_reads`).
-    pub speculative_reads: bool,
     /// Resident records read concurrently while loading the resident set.
     pub resident_in_flight: usize,
     /// The I/O backend (O_DIRECT files by default; fault injection in tests).
@@ -63,7 +60,6 @@ impl Default for LayoutSourceOptions {
             buffer_cap_bytes: s.buffer_cap_bytes,
             cache_policy: s.cache_policy,
             hash_check: s.hash_check,
-            speculative_reads: s.speculative_reads,
             resident_in_flight: 64,
             backend: s.backend,
             stream_ahead: 1,
@@ -203,7 +199,6 @@ impl LayoutSource {
                 buffer_cap_bytes: options.buffer_cap_bytes,
                 cache_policy: options.cache_policy,
                 hash_check: options.hash_check,
-                speculative_reads: options.speculative_reads,
                 backend: options.backend.clone(),
                 ..StoreOptions::default()
             },

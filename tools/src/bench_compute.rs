@@ -114,7 +114,6 @@ pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
         ram_budget: a.ram_budget,
         cache_policy: Default::default(),
         no_prefetch: false,
-        no_speculative_reads: false,
         pace_drives: None,
         stream_layers: Default::default(),
         prefill_chunk: a.prefill_chunk,

@@ -48,8 +48,6 @@ pub struct BenchGenerateArgs {
     pub cache_policy: CachePolicy,
     #[arg(long)]
     pub no_prefetch: bool,
-    #[arg(long)]
-    pub no_speculative_reads: bool,
     /// Decoder layers whose non-expert weights are streamed: auto, none, all or 1,3,5.
     #[arg(long, default_value = "auto")]
     pub stream_layers: deltafin_inference::run::StreamChoice,
@@ -101,7 +99,6 @@ pub fn run(a: &BenchGenerateArgs) -> anyhow::Result<()> {
         ram_budget: a.ram_budget,
         cache_policy: a.cache_policy,
         no_prefetch: a.no_prefetch,
-        no_speculative_reads: a.no_speculative_reads,
         pace_drives: None,
         stream_layers: a.stream_layers.clone(),
         prefill_chunk: a.prefill_chunk,

@@ -73,9 +73,6 @@ pub struct OpenOptions {
     pub cache_policy: CachePolicy,
     /// Layouts: do not prefetch the next layer's predicted experts.
     pub no_prefetch: bool,
-    /// Layouts: do not read the predicted experts the prefetch gate holds back, even while a
-    /// drive would otherwise sit idle.
-    pub no_speculative_reads: bool,
     /// Layouts: pace each drive's reads to this rate ([`PacedBackend`]; emulated-drive
     /// benchmarks).
     pub pace_drive_bytes_per_s: Option<u64>,
@@ -128,7 +125,6 @@ impl Default for OpenOptions {
             hash_check: l.hash_check,
             cache_policy: l.cache_policy,
             no_prefetch: false,
-            no_speculative_reads: false,
             pace_drive_bytes_per_s: None,
             kernels: KernelConfig::default(),
             stream: StreamChoice::Auto,
@@ -188,7 +184,6 @@ pub fn open_model(
                 buffer_cap_bytes: 0,
                 cache_policy: opts.cache_policy,
                 hash_check: opts.hash_check,
-                speculative_reads: !opts.no_speculative_reads,
                 ..defaults
             };
             let base_rss = rss_bytes().unwrap_or(0);

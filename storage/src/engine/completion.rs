@@ -26,14 +26,10 @@ pub(crate) fn finish_piece(shared: &Shared, req: &Arc<InFlight>, piece: usize) {
 pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
     let buf = req.buf.lock().unwrap_or_else(|p| p.into_inner()).take();
     let error = req.error.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let mut unused_buf = None;
     let result = match (buf, error) {
         (_, Some(e)) => Err(e),
         (None, None) => Err(StorageError::EngineClosed),
-        (Some(buf), None) if req.cancelled.load(Ordering::Acquire) => {
-            unused_buf = Some(buf);
-            Err(StorageError::Cancelled)
-        }
+        (Some(_), None) if req.cancelled.load(Ordering::Acquire) => Err(StorageError::Cancelled),
         (Some(buf), None) => match &req.expected_hash {
             Some(want) => {
                 if want.matches(&buf[..req.payload_len]) {
@@ -59,6 +55,5 @@ pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
         tag: req.tag,
         target: req.target.clone(),
         result,
-        unused_buf,
     });
 }

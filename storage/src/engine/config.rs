@@ -6,23 +6,12 @@ use std::time::Duration;
 use crate::backend::{IoBackend, PosixBackend};
 use crate::clock::{Clock, SystemClock};
 
-/// Which queue a request waits in. Demand always overtakes prefetch, and prefetch idle.
+/// Which queue a request waits in. Demand always overtakes prefetch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lane {
     Demand = 0,
     Prefetch = 1,
-    /// Speculative reads: served only while the drive reads nothing else, one piece at a
-    /// time, in pieces of at most [`IDLE_PIECE_BYTES`], so that a wrong guess costs the drive
-    /// time it would have sat idle, and delays a demand read by one small piece at most.
-    Idle = 2,
 }
-
-/// Lanes per drive.
-pub const LANES: usize = 3;
-
-/// The largest piece read on the idle lane: a demand read that arrives while one is in flight
-/// waits for it (0.125 ms at 1 GiB/s).
-pub const IDLE_PIECE_BYTES: u64 = 128 << 10;
 
 /// How many completed records get their hash checked (XXH3-128, or blake3 on version 2
 /// layouts: `record_hash`).

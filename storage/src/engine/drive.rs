@@ -10,7 +10,6 @@ use crossbeam_channel::Sender;
 
 use crate::backend::IoFile;
 use crate::clock::Clock;
-use crate::engine::config::LANES;
 use crate::engine::request::Job;
 use crate::error::{Result, StorageError};
 
@@ -57,7 +56,7 @@ struct BusyClock {
 pub(crate) struct Drive {
     pub path: PathBuf,
     pub file: Arc<dyn IoFile>,
-    pub lanes: [Sender<Job>; LANES],
+    pub lanes: [Sender<Job>; 2],
     pub outstanding: AtomicU64,
     pub bytes_read: AtomicU64,
     pub reads: AtomicU64,
@@ -76,7 +75,7 @@ impl Drive {
     pub fn new(
         path: PathBuf,
         file: Arc<dyn IoFile>,
-        lanes: [Sender<Job>; LANES],
+        lanes: [Sender<Job>; 2],
         unavailable: bool,
         retry_after: Duration,
         clock: Arc<dyn Clock>,
@@ -166,11 +165,6 @@ impl Drive {
             }
         }
         Ok(())
-    }
-
-    /// Whether a read of this drive is in progress (on any worker).
-    pub fn reading(&self) -> bool {
-        self.busy.lock().unwrap_or_else(|p| p.into_inner()).active > 0
     }
 
     fn busy_enter(&self) {

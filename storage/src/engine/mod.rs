@@ -44,7 +44,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 
-pub use config::{EngineConfig, HashCheck, Lane, IDLE_PIECE_BYTES, LANES};
+pub use config::{EngineConfig, HashCheck, Lane};
 pub use drive::DriveStats;
 pub use repair_report::{Repair, REPAIR_LOG_FILE};
 pub use request::{Completion, Loaded, ReadBuf, Target};
@@ -55,7 +55,7 @@ use crate::buffer::{AlignedBuf, BufferPool};
 use crate::engine::completion::{complete, finish_piece};
 use crate::engine::drive::{Drive, Unavailable};
 use crate::engine::request::{BufPtr, InFlight, Job, PieceSlot};
-use crate::engine::schedule::{least_loaded, LaneReceivers};
+use crate::engine::schedule::least_loaded;
 use crate::engine::shared::Shared;
 use crate::error::{Result, StorageError};
 use crate::manifest::{Manifest, RecordEntry, RecordId, RecordTensor, DATA_FILE};
@@ -69,7 +69,7 @@ pub struct Engine {
     workers: Vec<JoinHandle<()>>,
     threads_per_drive: usize,
     /// Kept to fail leftover jobs at shutdown.
-    receivers: Arc<Vec<LaneReceivers>>,
+    receivers: Arc<Vec<(Receiver<Job>, Receiver<Job>)>>,
 }
 
 impl Engine {
@@ -124,16 +124,15 @@ impl Engine {
             };
             let (dtx, drx) = bounded(config.queue_capacity);
             let (ptx, prx) = bounded(config.queue_capacity);
-            let (itx, irx) = bounded(config.queue_capacity);
             drives.push(Drive::new(
                 path,
                 file,
-                [dtx, ptx, itx],
+                [dtx, ptx],
                 unavailable,
                 config.replica_retry_after,
                 config.clock.clone(),
             ));
-            receivers.push([drx, prx, irx]);
+            receivers.push((drx, prx));
         }
         if let Some(e) = first_missing {
             if drives.iter().all(|d| d.unavailable) {
@@ -167,8 +166,7 @@ impl Engine {
                 let lanes = receivers.clone();
                 let h = std::thread::Builder::new()
                     .name(format!("deltafin-io-d{d}-{t}"))
-                    // One worker per drive serves the idle lane: one piece of it at a time.
-                    .spawn(move || worker::worker(shared, d, lanes, t == 0))
+                    .spawn(move || worker::worker(shared, d, lanes))
                     .map_err(|e| StorageError::io(&PathBuf::from("<thread>"), "spawn", e))?;
                 workers.push(h);
             }
@@ -306,10 +304,7 @@ impl Engine {
         dest: Option<AlignedBuf>,
     ) -> Result<Ticket> {
         let sh = &self.shared;
-        let (mut pieces, payload_len, hash) = self.plan(&target)?;
-        if lane == Lane::Idle {
-            pieces = split_pieces(&pieces, IDLE_PIECE_BYTES);
-        }
+        let (pieces, payload_len, hash) = self.plan(&target)?;
         let mut buf = match dest {
             Some(mut b) => {
                 if b.capacity() < align_up(payload_len as u64) as usize {
@@ -429,26 +424,6 @@ impl Engine {
     }
 }
 
-/// `pieces` cut into pieces of at most `max` bytes (a multiple of [`ALIGN`], so O_DIRECT
-/// reads stay aligned).
-fn split_pieces(pieces: &[Piece], max: u64) -> Vec<Piece> {
-    let mut out = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        let mut pos = 0;
-        while pos < p.len {
-            let len = (p.len - pos).min(max);
-            out.push(Piece {
-                drive: p.drive,
-                file_offset: p.file_offset + pos,
-                buf_offset: p.buf_offset + pos,
-                len,
-            });
-            pos += len;
-        }
-    }
-    out
-}
-
 impl Drop for Engine {
     fn drop(&mut self) {
         for d in &self.shared.drives {
@@ -460,8 +435,8 @@ impl Drop for Engine {
             let _ = w.join();
         }
         // Fail what is still queued so no requester waits forever.
-        for lanes in self.receivers.iter() {
-            for j in lanes.iter().flat_map(|l| l.try_iter()) {
+        for (demand, prefetch) in self.receivers.iter() {
+            for j in demand.try_iter().chain(prefetch.try_iter()) {
                 if let Job::Read { req, piece } = j {
                     if !req.pieces[piece].claimed.swap(true, Ordering::AcqRel) {
                         req.set_error(StorageError::EngineClosed);

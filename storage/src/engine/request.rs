@@ -37,14 +37,6 @@ impl ReadBuf {
     }
 
     /// The bytes as an owned aligned buffer (a pooled one is copied out of the pool).
-    /// The buffer, if the requester supplied it (not a pooled one).
-    pub fn owned(self) -> Option<AlignedBuf> {
-        match self {
-            ReadBuf::Owned(b) => Some(b),
-            ReadBuf::Pooled(_) => None,
-        }
-    }
-
     pub fn into_owned(self) -> AlignedBuf {
         match self {
             ReadBuf::Owned(b) => b,
@@ -83,10 +75,6 @@ pub struct Completion {
     pub tag: u64,
     pub target: Target,
     pub result: Result<Loaded>,
-    /// A cancelled read's buffer, handed back so that its owner can reuse it: a speculative
-    /// read is cancelled often, and freeing and allocating its buffer each time fragments
-    /// the heap past a memory budget.
-    pub unused_buf: Option<ReadBuf>,
 }
 
 /// A unit of work on a drive's lane.

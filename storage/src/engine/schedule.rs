@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use crossbeam_channel::{select_biased, Receiver};
 
-use crate::engine::config::LANES;
 use crate::engine::drive::Drive;
 use crate::engine::request::Job;
 use crate::engine::shared::Shared;
@@ -33,33 +32,19 @@ pub(crate) fn least_loaded(drives: &[Drive], extra: &[u64]) -> usize {
     best
 }
 
-/// A drive's lanes, as its workers receive them ([`Lane`](crate::engine::Lane) order).
-pub(crate) type LaneReceivers = [Receiver<Job>; LANES];
-
-/// How often a worker holding an idle-lane piece looks whether its drive has gone idle.
-const IDLE_POLL: Duration = Duration::from_micros(100);
-
 /// Take the next job for drive `d`'s worker: own demand, (replicate: other drives' demand),
-/// own prefetch, (replicate: other drives' prefetch), then (if `serve_idle`) the idle lane,
-/// else wait. Returns `None` to exit.
+/// own prefetch, (replicate: other drives' prefetch), else wait. Returns `None` to exit.
 ///
 /// In replicate mode every drive holds every byte, so an idle worker steals pieces queued for a
 /// busier drive: the submit-time choice (fewest outstanding bytes) balances equal drives, and
 /// stealing corrects it when one drive turns out slower.
-///
-/// An idle-lane piece is taken into `parked` and only returned once the drive reads nothing
-/// (no worker has a read in progress) and the other lanes are empty; until then the worker
-/// keeps serving them. One worker per drive serves the idle lane, so at most one of its pieces
-/// is in flight.
 pub(crate) fn next_job(
     shared: &Shared,
     d: usize,
-    lanes: &[LaneReceivers],
+    lanes: &[(Receiver<Job>, Receiver<Job>)],
     steal: bool,
-    serve_idle: bool,
-    parked: &mut Option<Job>,
 ) -> Option<Job> {
-    let [demand, prefetch, idle] = &lanes[d];
+    let (demand, prefetch) = &lanes[d];
     loop {
         if let Ok(j) = demand.try_recv() {
             return Some(j);
@@ -71,11 +56,12 @@ pub(crate) fn next_job(
                         return Some(j);
                     }
                 }
-                for (o, rx) in lanes.iter().enumerate() {
+                for (o, pair) in lanes.iter().enumerate() {
                     if o == d {
                         continue;
                     }
-                    match rx[lane].try_recv() {
+                    let rx = if lane == 0 { &pair.0 } else { &pair.1 };
+                    match rx.try_recv() {
                         Ok(Job::Stop) => {
                             // Another worker's stop: give it back; shutdown is under way.
                             let _ = shared.drives[o].lanes[0].send(Job::Stop);
@@ -86,40 +72,11 @@ pub(crate) fn next_job(
                     }
                 }
             }
-        } else if let Ok(j) = prefetch.try_recv() {
-            return Some(j);
-        }
-        if serve_idle {
-            if parked.is_none() {
-                *parked = idle.try_recv().ok();
-            }
-            if parked.is_some() && !shared.drives[d].reading() {
-                return parked.take();
-            }
-        }
-        if parked.is_some() {
-            select_biased! {
-                recv(demand) -> j => return j.ok(),
-                recv(prefetch) -> j => return j.ok(),
-                default(IDLE_POLL) => continue,
-            }
-        }
-        if steal {
             // Nothing anywhere: wait on our own lanes, waking now and then to look for work to steal.
             select_biased! {
                 recv(demand) -> j => return j.ok(),
                 recv(prefetch) -> j => return j.ok(),
                 default(Duration::from_millis(1)) => continue,
-            }
-        }
-        if serve_idle {
-            select_biased! {
-                recv(demand) -> j => return j.ok(),
-                recv(prefetch) -> j => return j.ok(),
-                recv(idle) -> j => {
-                    *parked = Some(j.ok()?);
-                    continue;
-                }
             }
         }
         return select_biased! {

@@ -4,13 +4,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crossbeam_channel::Receiver;
+
 use crate::engine::completion::finish_piece;
 use crate::engine::config::Lane;
 use crate::engine::replica::read_other_replica;
 use crate::engine::request::{Job, Target};
-use crate::engine::schedule::{least_loaded, next_job, LaneReceivers};
+use crate::engine::schedule::{least_loaded, next_job};
 use crate::engine::shared::Shared;
-use crate::error::StorageError;
 use crate::stripe::Mode;
 use crate::timeline;
 
@@ -20,23 +21,12 @@ use crate::timeline;
 pub(crate) fn worker(
     shared: Arc<Shared>,
     d: usize,
-    lanes: Arc<Vec<LaneReceivers>>,
-    serve_idle: bool,
+    lanes: Arc<Vec<(Receiver<Job>, Receiver<Job>)>>,
 ) {
     let steal = shared.manifest.mode == Mode::Replicate && lanes.len() > 1;
-    let mut parked = None;
-    while let Some(job) = next_job(&shared, d, &lanes, steal, serve_idle, &mut parked) {
+    while let Some(job) = next_job(&shared, d, &lanes, steal) {
         let (req, piece) = match job {
-            Job::Stop => {
-                // An idle-lane piece held back: failed, so its requester is not left waiting.
-                if let Some(Job::Read { req, piece }) = parked.take() {
-                    if !req.pieces[piece].claimed.swap(true, Ordering::AcqRel) {
-                        req.set_error(StorageError::EngineClosed);
-                        finish_piece(&shared, &req, piece);
-                    }
-                }
-                return;
-            }
+            Job::Stop => return,
             Job::Read { req, piece } => (req, piece),
         };
         let slot = &req.pieces[piece];

@@ -372,20 +372,6 @@ impl<B: CacheBuffer> ExpertCache<B> {
         true
     }
 
-    /// The read of `key` failed or was cancelled: the reservation is released, and `spare`
-    /// (the read's buffer, if it came back) is kept for the next read instead of freed.
-    /// Returns whether the key had a read in flight.
-    pub fn land_unread(&mut self, key: ExpertKey, spare: Option<B>) -> bool {
-        let landed = self.land(key, None, 0);
-        if let Some(b) = spare.filter(|_| landed) {
-            if self.used + b.bytes() <= self.cap {
-                self.used += b.bytes();
-                self.spare.push(b);
-            }
-        }
-        landed
-    }
-
     /// A demand read of `key` landed and is handed over at `now`: count the use.
     pub fn touch(&mut self, key: ExpertKey, now: u64) {
         if let Some(Slot::Ready {

@@ -58,9 +58,6 @@ pub struct StoreOptions {
     pub backend: Arc<dyn IoBackend>,
     /// Expert reads outstanding at most ([`MAX_OUTSTANDING_READS`] by default).
     pub max_outstanding_reads: usize,
-    /// Read the prediction's ranks that the prefetch gate holds back on the idle lane
-    /// (speculative reads: only while a drive would otherwise sit idle).
-    pub speculative_reads: bool,
 }
 
 impl Default for StoreOptions {
@@ -73,7 +70,6 @@ impl Default for StoreOptions {
             hash_check: e.hash_check,
             backend: Arc::new(PosixBackend::default()),
             max_outstanding_reads: MAX_OUTSTANDING_READS,
-            speculative_reads: true,
         }
     }
 }
@@ -85,21 +81,11 @@ pub(crate) struct StoreState {
     pub tickets: HashMap<ExpertKey, Ticket>,
     pub gate: PrefetchGate,
     /// A next-layer prefetch held back until the current layer's demand reads are submitted
-    /// (see [`ExpertStore::prefetch`]).
-    pub deferred_prefetch: Option<Prediction>,
+    /// (see [`ExpertStore::prefetch`]): the layer and its experts worth reading.
+    pub deferred_prefetch: Option<(u32, Vec<u32>)>,
     /// Use counter: the cache's notion of time.
     pub clock: u64,
     pub stats: FetchStats,
-}
-
-/// A next layer's predicted experts, as the prefetch gate split them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Prediction {
-    pub layer: u32,
-    /// Ranks accurate enough to read on the prefetch lane, likeliest first.
-    pub wanted: Vec<u32>,
-    /// The other ranks, likeliest first: read on the idle lane, if speculative reads are on.
-    pub speculative: Vec<u32>,
 }
 
 /// Figures of the resident-set load, for the statistics.
@@ -122,7 +108,6 @@ pub struct ExpertStore {
     stream: Mutex<Arc<RecordStream>>,
     /// Reads outstanding at most (the completion channel's capacity).
     pub(crate) max_outstanding: usize,
-    pub(crate) speculative_reads: bool,
     pub(crate) tx: Sender<Completion>,
     pub(crate) rx: Receiver<Completion>,
     _lock: LayoutLock,
@@ -185,7 +170,6 @@ impl ExpertStore {
             resident: Mutex::new(ResidentFigures::default()),
             stream: Mutex::new(Arc::new(RecordStream::default())),
             max_outstanding,
-            speculative_reads: opts.speculative_reads,
             tx,
             rx,
             _lock: lock,

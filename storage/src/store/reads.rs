@@ -13,12 +13,12 @@ use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use crate::buffer::AlignedBuf;
-use crate::engine::{Completion, Lane, ReadBuf, Target};
+use crate::engine::{Completion, Lane, Target};
 use crate::error::{Result, StorageError};
 use crate::manifest::RecordTensor;
 use crate::store::cache::{ExpertKey, Lookup};
 use crate::store::expert_store::{key_tag, tag_key};
-use crate::store::expert_store::{ExpertStore, Prediction, StoreState};
+use crate::store::expert_store::{ExpertStore, StoreState};
 use crate::stripe::align_up;
 
 /// One routed expert's record, handed over.
@@ -54,59 +54,35 @@ impl ExpertStore {
     /// and its router compute. So when the layer before has routed experts here, the reads
     /// are held back until that layer's demand reads are all submitted ([`ExpertBatch`]) and
     /// fill that gap instead.
-    ///
-    /// The ranks the gate holds back are read too, on the idle lane, when speculative reads
-    /// are on ([`StoreOptions::speculative_reads`](crate::store::StoreOptions::speculative_reads)): a drive serves them only while it reads
-    /// nothing else, so a wrong guess costs time the drive would have sat idle in (and, when
-    /// the layer routes, one small piece's delay to its first demand read); a right one is a
-    /// demand read less after the router.
     pub fn prefetch(&self, layer: u32, experts: &[u32]) {
         let mut st = self.lock();
         let wanted = st.gate.predict(layer, experts);
         st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
-        let speculative = if self.speculative_reads {
-            experts
-                .iter()
-                .copied()
-                .filter(|e| !wanted.contains(e))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let p = Prediction {
-            layer,
-            wanted,
-            speculative,
-        };
         let fetched_before = layer
             .checked_sub(1)
             .is_some_and(|before| self.record_of(before, 0).is_ok());
         if fetched_before {
             // A held-back prefetch no fetch claimed is stale by now: replaced.
-            st.deferred_prefetch = Some(p);
+            st.deferred_prefetch = Some((layer, wanted));
         } else {
-            self.issue_prefetch(&mut st, &p);
+            self.issue_prefetch(&mut st, layer, &wanted);
         }
     }
 
-    /// Submit the prefetch reads of `p`, then its speculative reads (see
-    /// [`ExpertStore::prefetch`]).
-    pub(crate) fn issue_prefetch(&self, st: &mut StoreState, p: &Prediction) {
-        let lanes = [(Lane::Prefetch, &p.wanted), (Lane::Idle, &p.speculative)];
-        for (lane, experts) in lanes {
-            for &e in experts {
-                let key = (p.layer, e);
-                if st.cache.contains(key) {
-                    continue;
-                }
-                let Ok(record) = self.record_of(p.layer, e) else {
-                    continue;
-                };
-                let evictable = |k: ExpertKey| k.0 != p.layer && k.0 + 1 != p.layer;
-                match self.submit(st, key, record, lane, &evictable) {
-                    Ok(true) => {}
-                    Ok(false) | Err(_) => return,
-                }
+    /// Submit prefetch reads of `wanted` (see [`ExpertStore::prefetch`]).
+    pub(crate) fn issue_prefetch(&self, st: &mut StoreState, layer: u32, wanted: &[u32]) {
+        for &e in wanted {
+            let key = (layer, e);
+            if st.cache.contains(key) {
+                continue;
+            }
+            let Ok(record) = self.record_of(layer, e) else {
+                continue;
+            };
+            let evictable = |k: ExpertKey| k.0 != layer && k.0 + 1 != layer;
+            match self.submit(st, key, record, Lane::Prefetch, &evictable) {
+                Ok(true) => {}
+                Ok(false) | Err(_) => break,
             }
         }
     }
@@ -129,7 +105,7 @@ impl ExpertStore {
         let need = align_up(len.max(1));
         let dest = match st
             .cache
-            .reserve(key, need, lane != Lane::Demand, evictable)
+            .reserve(key, need, lane == Lane::Prefetch, evictable)
         {
             Ok(Some(b)) => b,
             Ok(None) => AlignedBuf::zeroed(len as usize),
@@ -144,10 +120,8 @@ impl ExpertStore {
         ) {
             Ok(t) => {
                 st.tickets.insert(key, t);
-                match lane {
-                    Lane::Demand => {}
-                    Lane::Prefetch => st.stats.prefetch_reads += 1,
-                    Lane::Idle => st.stats.speculative_reads += 1,
+                if lane == Lane::Prefetch {
+                    st.stats.prefetch_reads += 1;
                 }
                 Ok(true)
             }
@@ -183,7 +157,7 @@ impl ExpertStore {
                 (key, None)
             }
             Err(e) => {
-                st.cache.land_unread(key, c.unused_buf.and_then(ReadBuf::owned));
+                st.cache.land(key, None, now);
                 (key, Some(e))
             }
         }
@@ -226,7 +200,7 @@ impl<'s> ExpertBatch<'s> {
         let n = experts.len();
         st.stats.requests += n as u64;
         // A prefetch of this very layer still held back: its demand reads follow at once.
-        if st.deferred_prefetch.as_ref().is_some_and(|d| d.layer == layer) {
+        if st.deferred_prefetch.as_ref().is_some_and(|d| d.0 == layer) {
             st.deferred_prefetch = None;
         }
         // Score the prediction for this layer; cancel wrong guesses not yet started.
@@ -280,10 +254,13 @@ impl<'s> ExpertBatch<'s> {
                 Lookup::Miss => batch.to_read.push_back(i),
             }
         }
+        // The layer's experts: cached, already in flight (prefetched), to read now.
         crate::timeline::mark(
             "batch",
             u64::from(layer),
-            batch.ready.len() as u64 | (batch.in_flight as u64) << 16 | (batch.to_read.len() as u64) << 32,
+            batch.ready.len() as u64
+                | (batch.in_flight as u64) << 16
+                | (batch.to_read.len() as u64) << 32,
         );
         Ok(batch)
     }
@@ -353,10 +330,10 @@ impl<'s> ExpertBatch<'s> {
         }
         // Every demand read is submitted: now the next layer's held-back prefetch.
         if self.to_read.is_empty() {
-            if let Some(p) = self.st.deferred_prefetch.take() {
-                if p.layer != self.layer {
-                    crate::timeline::mark("prefetch", u64::from(p.layer), p.wanted.len() as u64);
-                    self.store.issue_prefetch(&mut self.st, &p);
+            if let Some((layer, wanted)) = self.st.deferred_prefetch.take() {
+                if layer != self.layer {
+                    crate::timeline::mark("prefetch", u64::from(layer), wanted.len() as u64);
+                    self.store.issue_prefetch(&mut self.st, layer, &wanted);
                 }
             }
         }

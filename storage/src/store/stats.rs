@@ -24,11 +24,7 @@ pub struct FetchStats {
     pub read_bytes: u64,
     /// Prefetch reads issued.
     pub prefetch_reads: u64,
-    /// Speculative reads issued: a prediction's ranks the gate keeps off the prefetch lane,
-    /// read on the idle lane (only while the drive reads nothing else).
-    pub speculative_reads: u64,
-    /// Prefetch and speculative reads cancelled before all of their bytes were read (wrong
-    /// guesses).
+    /// Prefetch reads cancelled before all of their bytes were read (wrong guesses).
     pub prefetch_cancelled: u64,
     /// Experts predicted for a layer (sum over predictions).
     pub predicted: u64,
@@ -76,7 +72,6 @@ macro_rules! fetch_counters {
             reads: $a.reads.$op($b.reads),
             read_bytes: $a.read_bytes.$op($b.read_bytes),
             prefetch_reads: $a.prefetch_reads.$op($b.prefetch_reads),
-            speculative_reads: $a.speculative_reads.$op($b.speculative_reads),
             prefetch_cancelled: $a.prefetch_cancelled.$op($b.prefetch_cancelled),
             predicted: $a.predicted.$op($b.predicted),
             predicted_actual: $a.predicted_actual.$op($b.predicted_actual),

@@ -35,11 +35,6 @@ pub struct SourceArgs {
     /// Layouts: do not prefetch the next layer's predicted experts.
     #[arg(long)]
     pub no_prefetch: bool,
-    /// Layouts: do not read the predicted experts that are not likely enough to prefetch;
-    /// by default they are read while a drive would otherwise sit idle, one small piece at
-    /// a time.
-    #[arg(long)]
-    pub no_speculative_reads: bool,
     /// Layouts, benchmarks on emulated drives: pace each drive's reads to SIZE bytes/s the way
     /// a real drive's bandwidth limits them, idle time earning no credit (the cgroup blkio
     /// throttle credits up to 100 ms of it to the next read).

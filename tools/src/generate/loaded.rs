@@ -60,7 +60,6 @@ pub(crate) fn load(args: &SourceArgs, positions: &Positions<'_>) -> anyhow::Resu
         hash_check: args.hash_check,
         cache_policy: args.cache_policy,
         no_prefetch: args.no_prefetch,
-        no_speculative_reads: args.no_speculative_reads,
         pace_drive_bytes_per_s: args.pace_drives,
         stream: args.stream_layers.clone(),
         ram,

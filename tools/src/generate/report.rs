@@ -177,7 +177,6 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
         v["fetch"] = serde_json::json!({
             "requests": f.requests, "cache_hits": f.cache_hits, "prefetch_hits": f.prefetch_hits,
             "reads": f.reads, "prefetch_reads": f.prefetch_reads,
-            "speculative_reads": f.speculative_reads,
             "prefetch_cancelled": f.prefetch_cancelled, "evictions": f.evictions,
             "expert_memory_peak_bytes": f.peak_bytes,
         });
