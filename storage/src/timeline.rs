@@ -13,8 +13,9 @@ use std::time::Instant;
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static EVENTS: Mutex<Vec<Event>> = Mutex::new(Vec::new());
 static EPOCH: OnceLock<Instant> = OnceLock::new();
-/// Events kept at most (a long run stops recording, it does not grow without bound).
-const MAX_EVENTS: usize = 4 << 20;
+/// Events kept at most, 48 bytes each: a long run stops recording rather than grow past a
+/// memory budget (a decoded token of a 16-layer model records ~450).
+const MAX_EVENTS: usize = 1 << 20;
 
 /// One interval (an instant when `start_ns == end_ns`), nanoseconds since the timeline began.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -22,9 +23,11 @@ pub struct Event {
     pub kind: &'static str,
     pub start_ns: u64,
     pub end_ns: u64,
-    /// Kind-specific: a drive read's drive; a batch's layer; a phase's layer (if known).
+    /// Kind-specific: a drive read's drive; a batch's, a stall's or a prefetch's layer; 0 for
+    /// a phase.
     pub a: u64,
-    /// Kind-specific: a drive read's bytes; a batch's cached / in-flight / to-read counts.
+    /// Kind-specific: a drive read's bytes; a batch's cached / in-flight / to-read counts
+    /// (bits 0-15 / 16-31 / 32-); a prefetch's experts issued.
     pub b: u64,
 }
 

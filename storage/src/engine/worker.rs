@@ -58,14 +58,16 @@ pub(crate) fn worker(
         let dst = unsafe {
             std::slice::from_raw_parts_mut(req.ptr.0.add(p.buf_offset as usize), p.len as usize)
         };
-        let started = Instant::now();
+        let started = timeline::enabled().then(Instant::now);
         let read = drive.read(rd, dst, p.file_offset);
-        let kind = if req.lane.load(Ordering::Relaxed) == Lane::Demand as u8 {
-            "read_demand"
-        } else {
-            "read_prefetch"
-        };
-        timeline::record(kind, started, Instant::now(), rd as u64, p.len);
+        if let Some(started) = started {
+            let kind = if req.lane.load(Ordering::Relaxed) == Lane::Demand as u8 {
+                "read_demand"
+            } else {
+                "read_prefetch"
+            };
+            timeline::record(kind, started, Instant::now(), rd as u64, p.len);
+        }
         match read {
             Ok(()) => slot.served_by.store(rd, Ordering::Relaxed),
             Err(e) => {
