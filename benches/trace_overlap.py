@@ -97,5 +97,5 @@ q = lambda v, f: round(v[min(len(v) - 1, int(len(v) * f))] / 1e3)
 inner = sorted(e["end_ns"] - e["start_ns"] for e in ev if e["kind"] == "pace_inner" and t0 <= e["start_ns"] < t1)
 late = sorted(e["end_ns"] - e["start_ns"] for e in ev if e["kind"] == "pace_sleep" and t0 <= e["start_ns"] < t1)
 if inner:
-    print(f"  paced reads: the read itself p10/median/p90 {q(inner, .1)}/{q(inner, .5)}/{q(inner, .9)} us; "
-          f"woken after the deadline by {q(late, .1)}/{q(late, .5)}/{q(late, .9)} us" if late else "")
+    woke = f"; woken after the deadline by {q(late, .1)}/{q(late, .5)}/{q(late, .9)} us" if late else ""
+    print(f"  paced reads: the read itself p10/median/p90 {q(inner, .1)}/{q(inner, .5)}/{q(inner, .9)} us{woke}")

@@ -2,7 +2,7 @@
 //! and (recorded by the inference crate) when each phase of the pass ran, on one clock. A
 //! profile adds time up per phase; overlapping reads with compute is about *when*, so this
 //! keeps the intervals (`generate --trace FILE` writes them as JSON lines). Off unless
-//! [`set_enabled`]: then every record costs one relaxed load.
+//! [`set_enabled`]; while off, every record costs one relaxed load.
 
 use std::io::Write;
 use std::path::Path;
