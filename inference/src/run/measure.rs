@@ -27,6 +27,10 @@ pub struct Measured {
     pub decode_stream: StreamStats,
     /// Per-drive counters over the whole generation.
     pub drives: Vec<DriveStats>,
+    /// Per-drive counters after the first token: every byte the drives transferred while
+    /// decoding, including prefetches that were cancelled or never used (which `decode_fetch`,
+    /// counting the records that landed in the cache, leaves out).
+    pub decode_drives: Vec<DriveStats>,
     pub peak_rss: Option<u64>,
 }
 
@@ -43,20 +47,20 @@ pub fn measure_generation<E>(
 ) -> std::result::Result<Measured, E> {
     let stats = || layout.map(|s| s.stats()).unwrap_or_default();
     let s0 = stats();
-    let mut f1: Option<(FetchStats, StreamStats)> = None;
+    let mut s1 = None;
     let mut times: Vec<Instant> = Vec::new();
     let start = Instant::now();
     let output = gen(&mut |id| {
         times.push(Instant::now());
-        if f1.is_none() {
-            let s = stats();
-            f1 = Some((s.fetch, s.stream));
+        if s1.is_none() {
+            s1 = Some(stats());
         }
         on_token(id)
     })?;
     let total = start.elapsed();
     let s2 = stats();
-    let (f1, st1) = f1.unwrap_or_else(|| (s2.fetch.clone(), s2.stream));
+    let s1 = s1.unwrap_or_else(|| s2.clone());
+    let (f1, st1) = (&s1.fetch, s1.stream);
     let (decode_steps, decode_time) = match (times.first(), times.last()) {
         (Some(a), Some(b)) if times.len() > 1 => (times.len() - 1, b.duration_since(*a)),
         _ => (0, Duration::ZERO),
@@ -66,11 +70,12 @@ pub fn measure_generation<E>(
         total,
         decode_steps,
         decode_time,
-        prefill_fetch: &f1 - &s0.fetch,
-        decode_fetch: &s2.fetch - &f1,
+        prefill_fetch: f1 - &s0.fetch,
+        decode_fetch: &s2.fetch - f1,
         prefill_stream: st1.since(&s0.stream),
         decode_stream: s2.stream.since(&st1),
         drives: (&s2 - &s0).drives,
+        decode_drives: (&s2 - &s1).drives,
         peak_rss: peak_rss_bytes(),
         output,
     })

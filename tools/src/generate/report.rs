@@ -165,6 +165,12 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
         v["prefill_bytes_read"] = p.read_bytes.into();
         v["decode_bytes_read"] = d.read_bytes.into();
         v["bytes_read_per_token"] = (d.read_bytes as f64 / m.decode_steps.max(1) as f64).into();
+        // What the drives transferred while decoding, wasted prefetches included: the drives'
+        // time, where `bytes_read_per_token` is the experts the tokens used.
+        let drive_bytes: u64 = m.decode_drives.iter().map(|s| s.bytes_read).sum();
+        v["decode_drive_bytes_read"] = drive_bytes.into();
+        v["drive_bytes_read_per_token"] =
+            (drive_bytes as f64 / m.decode_steps.max(1) as f64).into();
         v["bytes_read_per_prompt_token"] =
             (p.read_bytes as f64 / prompt.len().max(1) as f64).into();
         v["expert_cache_hit_rate"] = f.hit_rate().into();
