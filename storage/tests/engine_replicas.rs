@@ -499,3 +499,43 @@ fn a_refused_submit_counts_nothing_against_the_drives() {
         assert_eq!(s.outstanding, 0, "drive {d} carries refused requests");
     }
 }
+
+/// A drive reads at most `prefetch_depth` prefetched pieces at once, however many workers
+/// it has; a demand read still gets a worker at once.
+#[test]
+fn prefetch_reads_in_flight_are_capped_and_demand_still_gets_a_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = write_model(&tmp.path().join("model"), MODEL_A, 11);
+    let ds = drives(tmp.path(), 1);
+    let m = write_layout(&ckpt, &opts(ds.clone(), Mode::Stripe, 1 << 20), &NoProgress).unwrap();
+    let gate = Arc::new(Gate::default());
+    let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
+    let cfg = EngineConfig {
+        prefetch_depth: 2,
+        ..config(4, HashCheck::Off, Arc::new(GatedBackend::new(gate.clone())))
+    };
+    let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+    let experts = expert_indices(&m);
+    let (prx, _pt) = engine.fetch(&experts[..12], Lane::Prefetch).unwrap();
+    wait_until("two prefetch reads are held", || gate.started() >= 2);
+    // Two workers are idle with ten prefetches queued: they must not take them.
+    std::thread::sleep(Duration::from_millis(30));
+    let started = gate.started();
+    if started != 2 {
+        gate.open(); // let the workers go before failing, so the engine can shut down
+        panic!("{started} prefetch reads in flight, the cap is 2");
+    }
+    let (dtx, drx) = crossbeam_channel::bounded(1);
+    engine
+        .submit(Target::Record(experts[20]), Lane::Demand, 20, dtx, None)
+        .unwrap();
+    wait_until("the demand read starts", || gate.started() == 3);
+    assert_eq!(
+        gate.log.lock().unwrap()[2],
+        m.records[experts[20]].offset,
+        "the third read is the demand"
+    );
+    gate.open();
+    drx.recv().unwrap().result.unwrap();
+    assert_eq!(prx.iter().take(12).filter(|c| c.result.is_ok()).count(), 12);
+}

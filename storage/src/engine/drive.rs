@@ -2,7 +2,7 @@
 //! mode keeps new pieces off a drive for a while after it fails a read).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -60,6 +60,8 @@ pub(crate) struct Drive {
     pub outstanding: AtomicU64,
     pub bytes_read: AtomicU64,
     pub reads: AtomicU64,
+    /// Prefetch-lane pieces being read now (`Shared::prefetch_depth` at most).
+    pub prefetch_in_flight: AtomicUsize,
     /// Reads of this drive that failed (I/O error or short read).
     read_errors: AtomicU64,
     /// When the last read failed: milliseconds on `clock`, plus one (0: never).
@@ -87,6 +89,7 @@ impl Drive {
             outstanding: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
             reads: AtomicU64::new(0),
+            prefetch_in_flight: AtomicUsize::new(0),
             read_errors: AtomicU64::new(0),
             failed_at_ms: AtomicU64::new(0),
             unavailable,

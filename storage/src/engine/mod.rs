@@ -157,6 +157,10 @@ impl Engine {
             backend: config.backend.clone(),
             repairs: Mutex::new(Vec::new()),
             repair_files: Mutex::new(HashMap::new()),
+            prefetch_depth: match config.prefetch_depth {
+                0 => config.threads_per_drive,
+                n => n,
+            },
         });
         let mut workers = Vec::new();
         let receivers = Arc::new(receivers);

@@ -32,8 +32,36 @@ pub(crate) fn least_loaded(drives: &[Drive], extra: &[u64]) -> usize {
     best
 }
 
+/// A job a worker took; `prefetch_slot` when it holds one of its drive's prefetch slots, to
+/// give back (`release_prefetch_slot`) once the piece is read.
+pub(crate) struct Taken {
+    pub job: Job,
+    pub prefetch_slot: bool,
+}
+
+/// Take one of drive `d`'s prefetch slots, if one is free.
+fn take_prefetch_slot(shared: &Shared, d: usize) -> bool {
+    shared.drives[d]
+        .prefetch_in_flight
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < shared.prefetch_depth).then_some(n + 1)
+        })
+        .is_ok()
+}
+
+pub(crate) fn release_prefetch_slot(shared: &Shared, d: usize) {
+    shared.drives[d]
+        .prefetch_in_flight
+        .fetch_sub(1, Ordering::AcqRel);
+}
+
 /// Take the next job for drive `d`'s worker: own demand, (replicate: other drives' demand),
 /// own prefetch, (replicate: other drives' prefetch), else wait. Returns `None` to exit.
+///
+/// Prefetch pieces are taken only while the drive has a prefetch slot free
+/// (`Shared::prefetch_depth`), so a demand read never queues behind more prefetched pieces
+/// than that. A worker waiting without a slot wakes each millisecond to look again; the worker
+/// that frees a slot looks at once.
 ///
 /// In replicate mode every drive holds every byte, so an idle worker steals pieces queued for a
 /// busier drive: the submit-time choice (fewest outstanding bytes) balances equal drives, and
@@ -43,45 +71,72 @@ pub(crate) fn next_job(
     d: usize,
     lanes: &[(Receiver<Job>, Receiver<Job>)],
     steal: bool,
-) -> Option<Job> {
+) -> Option<Taken> {
+    let demand_job = |job| Some(Taken { job, prefetch_slot: false });
     let (demand, prefetch) = &lanes[d];
     loop {
         if let Ok(j) = demand.try_recv() {
-            return Some(j);
+            return demand_job(j);
         }
         if steal {
-            for lane in [0usize, 1] {
-                if lane == 1 {
-                    if let Ok(j) = prefetch.try_recv() {
-                        return Some(j);
-                    }
+            for (o, pair) in lanes.iter().enumerate() {
+                if o == d {
+                    continue;
                 }
-                for (o, pair) in lanes.iter().enumerate() {
-                    if o == d {
-                        continue;
+                match pair.0.try_recv() {
+                    Ok(Job::Stop) => {
+                        // Another worker's stop: give it back; shutdown is under way.
+                        let _ = shared.drives[o].lanes[0].send(Job::Stop);
+                        return None;
                     }
-                    let rx = if lane == 0 { &pair.0 } else { &pair.1 };
-                    match rx.try_recv() {
-                        Ok(Job::Stop) => {
-                            // Another worker's stop: give it back; shutdown is under way.
-                            let _ = shared.drives[o].lanes[0].send(Job::Stop);
-                            return None;
-                        }
-                        Ok(j) => return Some(j),
-                        Err(_) => {}
-                    }
+                    Ok(j) => return demand_job(j),
+                    Err(_) => {}
                 }
-            }
-            // Nothing anywhere: wait on our own lanes, waking now and then to look for work to steal.
-            select_biased! {
-                recv(demand) -> j => return j.ok(),
-                recv(prefetch) -> j => return j.ok(),
-                default(Duration::from_millis(1)) => continue,
             }
         }
-        return select_biased! {
-            recv(demand) -> j => j.ok(),
-            recv(prefetch) -> j => j.ok(),
+        let slot = take_prefetch_slot(shared, d);
+        if slot {
+            let own = prefetch.try_recv().ok();
+            let stolen = || {
+                lanes
+                    .iter()
+                    .enumerate()
+                    .filter(|&(o, _)| steal && o != d)
+                    .find_map(|(_, pair)| pair.1.try_recv().ok())
+            };
+            if let Some(job) = own.or_else(stolen) {
+                return Some(Taken { job, prefetch_slot: true });
+            }
+        }
+        // Nothing to take: wait on our own lanes (prefetch only while holding a slot), waking
+        // now and then to steal or to look for a freed slot.
+        let got = match (slot, steal) {
+            (true, false) => select_biased! {
+                recv(demand) -> j => Some((j, false)),
+                recv(prefetch) -> j => Some((j, true)),
+            },
+            (true, true) => select_biased! {
+                recv(demand) -> j => Some((j, false)),
+                recv(prefetch) -> j => Some((j, true)),
+                default(Duration::from_millis(1)) => None,
+            },
+            (false, _) => select_biased! {
+                recv(demand) -> j => Some((j, false)),
+                default(Duration::from_millis(1)) => None,
+            },
         };
+        match got {
+            Some((j, from_prefetch)) => {
+                if slot && !from_prefetch {
+                    release_prefetch_slot(shared, d);
+                }
+                return j.ok().map(|job| Taken { job, prefetch_slot: from_prefetch });
+            }
+            None => {
+                if slot {
+                    release_prefetch_slot(shared, d);
+                }
+            }
+        }
     }
 }

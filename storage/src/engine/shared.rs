@@ -31,6 +31,8 @@ pub(crate) struct Shared {
     pub repairs: Mutex<Vec<Repair>>,
     /// Data files opened for writing, by drive.
     pub repair_files: Mutex<HashMap<usize, Arc<dyn IoFile>>>,
+    /// Prefetch pieces a drive reads at once, at most (`EngineConfig::prefetch_depth`; never 0).
+    pub prefetch_depth: usize,
 }
 
 impl Shared {

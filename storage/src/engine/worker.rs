@@ -10,7 +10,7 @@ use crate::engine::completion::finish_piece;
 use crate::engine::config::Lane;
 use crate::engine::replica::read_other_replica;
 use crate::engine::request::{Job, Target};
-use crate::engine::schedule::{least_loaded, next_job};
+use crate::engine::schedule::{least_loaded, next_job, release_prefetch_slot, Taken};
 use crate::engine::shared::Shared;
 use crate::stripe::Mode;
 use crate::timeline;
@@ -24,7 +24,9 @@ pub(crate) fn worker(
     lanes: Arc<Vec<(Receiver<Job>, Receiver<Job>)>>,
 ) {
     let steal = shared.manifest.mode == Mode::Replicate && lanes.len() > 1;
-    while let Some(job) = next_job(&shared, d, &lanes, steal) {
+    while let Some(Taken { job, prefetch_slot }) = next_job(&shared, d, &lanes, steal) {
+        // The slot is given back when this piece is done with, however that ends.
+        let _slot = prefetch_slot.then(|| SlotGuard(&shared, d));
         let (req, piece) = match job {
             Job::Stop => return,
             Job::Read { req, piece } => (req, piece),
@@ -85,5 +87,14 @@ pub(crate) fn worker(
             }
         }
         finish_piece(&shared, &req, piece);
+    }
+}
+
+/// Gives a drive's prefetch slot back when dropped.
+struct SlotGuard<'a>(&'a Shared, usize);
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        release_prefetch_slot(self.0, self.1);
     }
 }
