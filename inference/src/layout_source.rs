@@ -373,6 +373,16 @@ impl WeightSource for LayoutSource {
         experts: &[usize],
         on_group: &mut ExpertGroupCallback<'_>,
     ) -> Result<()> {
+        self.with_expert_groups_idle(layer, experts, on_group, &mut || false)
+    }
+
+    fn with_expert_groups_idle(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_group: &mut ExpertGroupCallback<'_>,
+        on_idle: &mut dyn FnMut() -> bool,
+    ) -> Result<()> {
         let first = experts.first().copied().unwrap_or(0);
         let mut batch = self.fetch(layer, experts)?;
         // Wait for one expert, then take every other one that is already there (cached, or
@@ -383,9 +393,14 @@ impl WeightSource for LayoutSource {
                 Some(l) => l,
                 None if batch.remaining() == 0 => break,
                 None => {
-                    // Waiting for a drive: the compute workers sleep meanwhile.
+                    // Waiting for a drive: the compute workers sleep meanwhile, and this
+                    // thread does the caller's idle work, looking for a landing between steps.
                     crate::kernels::pool::pool().rest();
-                    match batch.next() {
+                    let mut landed = None;
+                    while landed.is_none() && on_idle() {
+                        landed = batch.next_ready();
+                    }
+                    match landed.or_else(|| batch.next()) {
                         Some(l) => l,
                         None => break,
                     }

@@ -97,6 +97,7 @@ pub mod spans;
 pub mod speculative;
 pub mod streamed_layer;
 pub mod synth;
+pub mod warm;
 pub mod weights;
 
 pub use config::{DeepseekV3Config, HiddenAct, ModelConfig, Qwen3MoeConfig, RopeParameters};

@@ -126,6 +126,20 @@ pub trait WeightSource: Send + Sync {
         })
     }
 
+    /// [`WeightSource::with_expert_groups`], calling `on_idle` while it would otherwise wait
+    /// for bytes, until it returns `false` (it does a little work a call: an expert landing
+    /// meanwhile is handed over at the next look). The default never waits, so never calls it.
+    fn with_expert_groups_idle(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_group: &mut ExpertGroupCallback<'_>,
+        on_idle: &mut dyn FnMut() -> bool,
+    ) -> Result<()> {
+        let _ = on_idle;
+        self.with_expert_groups(layer, experts, on_group)
+    }
+
     /// A hint that `experts` of decoder layer `layer` will probably be requested soon (e.g.
     /// predicted by applying that layer's router to the current hidden state). Sources that
     /// read from drives may start reading them at low priority. The default does nothing.

@@ -3,6 +3,7 @@
 
 use crate::error::Result;
 use crate::ffn::router::Routing;
+use crate::linear::Linear;
 use crate::weights::WeightSource;
 
 /// Per-call context of a feed-forward module.
@@ -12,6 +13,9 @@ pub struct FfnContext<'a> {
     pub layer: usize,
     /// When set, MoE layers push each position's routing here.
     pub routing: Option<&'a mut Vec<Routing>>,
+    /// Work for the time spent waiting for experts' bytes (see
+    /// [`WeightSource::with_expert_groups_idle`]); `None`: none.
+    pub idle: Option<&'a mut dyn FnMut() -> bool>,
 }
 
 impl std::fmt::Debug for FfnContext<'_> {
@@ -31,6 +35,11 @@ pub trait FeedForward: Send + Sync + std::fmt::Debug {
     /// normed), deduplicated, likeliest first; `None` when it routes nothing. Used to prefetch a
     /// layer's experts from an earlier hidden state.
     fn predict_experts(&self, _x: &[f32], _n: usize) -> Option<Vec<usize>> {
+        None
+    }
+
+    /// The router's scoring matrix, if it routes (for warming the caches: [`crate::warm`]).
+    fn router_gate(&self) -> Option<&Linear> {
         None
     }
 }

@@ -66,6 +66,10 @@ impl FeedForward for MoeFfn {
         Some(e.into_iter().map(|(e, _)| e).collect())
     }
 
+    fn router_gate(&self) -> Option<&Linear> {
+        Some(self.router.gate())
+    }
+
     fn forward(&self, full: &[f32], n: usize, ctx: &mut FfnContext<'_>) -> Result<Vec<f32>> {
         let hd = self.experts.hidden;
         let layer = ctx.layer;
@@ -106,11 +110,15 @@ impl FeedForward for MoeFfn {
         let mut shared_out: Option<Vec<f32>> = None;
         // Every position in order: the experts can read `x` itself (and share its prepared
         // form) instead of a gathered copy.
-        ctx.source
-            .with_expert_groups(layer, &wanted, &mut |group: &[(
-                usize,
-                ExpertView<'_>,
-            )]| {
+        let mut no_idle = || false;
+        let on_idle: &mut dyn FnMut() -> bool = match ctx.idle.as_deref_mut() {
+            Some(f) => f,
+            None => &mut no_idle,
+        };
+        ctx.source.with_expert_groups_idle(
+            layer,
+            &wanted,
+            &mut |group: &[(usize, ExpertView<'_>)]| {
                 let mut gathered: Vec<Vec<f32>> = Vec::with_capacity(group.len());
                 let mut whole: Vec<bool> = Vec::with_capacity(group.len());
                 let mut index: Vec<usize> = Vec::with_capacity(group.len());
@@ -170,7 +178,9 @@ impl FeedForward for MoeFfn {
                     outputs[k] = Some(ys);
                 }
                 Ok(())
-            })?;
+            },
+            on_idle,
+        )?;
         if let Some(k) = outputs.iter().position(|o| o.is_none()) {
             return Err(InferenceError::MissingExpert {
                 layer,

@@ -15,6 +15,8 @@ pub trait Router: Send + Sync + std::fmt::Debug {
     /// `x [n, hidden]` -> one [`Routing`] per position.
     fn route(&self, x: &[f32], n: usize) -> Vec<Routing>;
     fn num_experts(&self) -> usize;
+    /// The scoring matrix `[experts, hidden]`.
+    fn gate(&self) -> &Linear;
 }
 
 /// Indices of the `k` largest values, largest first (ties: lower index first).
@@ -111,6 +113,10 @@ impl Router for NoauxTcRouter {
     fn num_experts(&self) -> usize {
         self.gate.rows()
     }
+
+    fn gate(&self) -> &Linear {
+        &self.gate
+    }
 }
 
 /// Softmax over all experts, top-k, optional renormalisation (Qwen3-MoE).
@@ -142,6 +148,10 @@ impl Router for SoftmaxTopKRouter {
     }
     fn num_experts(&self) -> usize {
         self.gate.rows()
+    }
+
+    fn gate(&self) -> &Linear {
+        &self.gate
     }
 }
 

@@ -73,6 +73,11 @@ impl Linear {
         })
     }
 
+    /// The bytes a product reads: the weights and their scales.
+    pub fn weight_slices(&self) -> [&[u8]; 2] {
+        [self.data.as_slice(), &self.scale]
+    }
+
     pub fn view(&self) -> WeightMatrix<'_> {
         // The bytes were checked when the matrix they came from was built (or, for
         // `from_f32`, against rows * cols).

@@ -107,6 +107,10 @@ impl TokenMixer for GqaAttention {
         Some(vec![w, w])
     }
 
+    fn matrices(&self) -> Vec<&Linear> {
+        vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+    }
+
     fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>> {
         let cache = state_as::<KvCache>(state, "GQA attention")?;
         let (hn, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);

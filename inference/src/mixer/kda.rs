@@ -313,6 +313,23 @@ impl TokenMixer for KdaAttention {
         Ok(self.forward_taps(x, n, state)?.0)
     }
 
+    fn matrices(&self) -> Vec<&Linear> {
+        let mut m = vec![
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.f_a_proj,
+            &self.f_b_proj,
+            &self.b_proj,
+        ];
+        match &self.output_gate {
+            KdaOutputGate::LowRank { a, b } => m.extend([a, b]),
+            KdaOutputGate::FullRank(g) => m.push(g),
+        }
+        m.push(&self.o_proj);
+        m
+    }
+
     fn state_widths(&self) -> Option<Vec<usize>> {
         Some(Vec::new())
     }

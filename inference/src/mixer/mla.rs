@@ -337,6 +337,17 @@ impl TokenMixer for MlaAttention {
         Some(vec![self.kv_lora_rank, self.qk_rope_head_dim])
     }
 
+    fn matrices(&self) -> Vec<&Linear> {
+        let mut m = vec![self.q.first(), &self.kv_a_proj_with_mqa];
+        if let QProj::Lora { b, .. } = &self.q {
+            m.push(b);
+        }
+        m.push(&self.kv_b_proj);
+        m.extend(&self.output_gate);
+        m.push(&self.o_proj);
+        m
+    }
+
     fn forward(&self, x: &[f32], n: usize, state: &mut dyn MixerState) -> Result<Vec<f32>> {
         let cache = state_as::<MlaCache>(state, "MLA attention")?;
         let (h_n, nope, rd, vd, kl) = (

@@ -4,6 +4,7 @@
 use std::any::Any;
 
 use crate::error::{InferenceError, Result};
+use crate::linear::Linear;
 
 /// Per-sequence state of one token mixer (a KV cache, a recurrent state, ...).
 pub trait MixerState: Send + std::fmt::Debug + Any {
@@ -79,6 +80,12 @@ pub trait TokenMixer: Send + Sync + std::fmt::Debug {
     /// speculative verification batch must not be longer.
     fn rollback_window(&self) -> Option<usize> {
         None
+    }
+
+    /// The resident matrices a decode step reads, in the order it reads them (for warming
+    /// the caches: [`crate::warm`]). Empty: nothing to warm.
+    fn matrices(&self) -> Vec<&Linear> {
+        Vec::new()
     }
 
     /// Bytes of per-sequence state each position adds (a KV cache's row).

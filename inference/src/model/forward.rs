@@ -17,6 +17,7 @@ use crate::model::routing_counts::RoutingCounts;
 use crate::model::session::{OutputStates, Session};
 use crate::ops::RmsNorm;
 use crate::spans::{span, timed, Phase};
+use crate::warm::{CacheWarmer, WARM_STEP_BYTES};
 use crate::weights::WeightSource;
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -444,6 +445,26 @@ impl Model {
             let x = timed(Phase::Norm, || layer.post_attention_layernorm.apply(&input));
             drop(input);
             let mut routing = Vec::new();
+            // While this layer waits for its experts, the next layer's attention weights are
+            // loaded into the caches: that attention runs after the last expert lands, with
+            // the drive idle unless a guess keeps it busy.
+            // Its router's too, and the router after it (that layer's prediction runs first).
+            let resident = |i: usize| match self.layers.get(i) {
+                Some(LayerSlot::Resident(l)) => Some(l),
+                Some(LayerSlot::Streamed(_)) if i == li + 1 => next_held.as_ref().map(|h| &h.layer),
+                _ => None,
+            };
+            let mut warm: Vec<&Linear> = Vec::new();
+            if warm_while_waiting() {
+                if let Some(next) = resident(li + 1) {
+                    warm.extend(next.mixer.matrices());
+                    warm.extend(next.ffn.router_gate());
+                }
+                warm.extend(resident(li + 2).and_then(|l| l.ffn.router_gate()));
+            }
+            let mut warmer =
+                CacheWarmer::new(warm.into_iter().flat_map(Linear::weight_slices).collect());
+            let mut warm_step = || warmer.step(WARM_STEP_BYTES);
             let mut ctx = FfnContext {
                 source: &*self.source,
                 layer: layer.index,
@@ -452,6 +473,7 @@ impl Model {
                 } else {
                     None
                 },
+                idle: Some(&mut warm_step),
             };
             let y = timed(Phase::Ffn, || layer.ffn.forward(&x, n, &mut ctx))?;
             timed(Phase::Residual, || {
@@ -502,4 +524,11 @@ impl Model {
             data: timed(Phase::Head, || head.forward(&x, rows)),
         })
     }
+}
+
+/// Whether layers warm the next one's attention weights while waiting for experts (on unless
+/// `DELTAFIN_WARM=0`, for measuring it).
+fn warm_while_waiting() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DELTAFIN_WARM").map_or(true, |v| v != "0"))
 }

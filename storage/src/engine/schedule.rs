@@ -72,7 +72,12 @@ pub(crate) fn next_job(
     lanes: &[(Receiver<Job>, Receiver<Job>)],
     steal: bool,
 ) -> Option<Taken> {
-    let demand_job = |job| Some(Taken { job, prefetch_slot: false });
+    let demand_job = |job| {
+        Some(Taken {
+            job,
+            prefetch_slot: false,
+        })
+    };
     let (demand, prefetch) = &lanes[d];
     loop {
         if let Ok(j) = demand.try_recv() {
@@ -105,7 +110,10 @@ pub(crate) fn next_job(
                     .find_map(|(_, pair)| pair.1.try_recv().ok())
             };
             if let Some(job) = own.or_else(stolen) {
-                return Some(Taken { job, prefetch_slot: true });
+                return Some(Taken {
+                    job,
+                    prefetch_slot: true,
+                });
             }
         }
         // Nothing to take: wait on our own lanes (prefetch only while holding a slot), waking
@@ -130,7 +138,10 @@ pub(crate) fn next_job(
                 if slot && !from_prefetch {
                     release_prefetch_slot(shared, d);
                 }
-                return j.ok().map(|job| Taken { job, prefetch_slot: from_prefetch });
+                return j.ok().map(|job| Taken {
+                    job,
+                    prefetch_slot: from_prefetch,
+                });
             }
             None => {
                 if slot {

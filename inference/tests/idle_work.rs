@@ -1,0 +1,130 @@
+//! Work done while a layer waits for its experts' reads (warming the next layer's weights into
+//! the caches, `inference/src/warm.rs`) runs while reads are outstanding and changes nothing:
+//! the source hands over the same bytes, generation gives the same greedy tokens.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use common::fixture_dir;
+use deltafin_inference::weights::{ExpertView, WeightSource};
+use deltafin_inference::{
+    generate, DirSource, GenerateConfig, LayoutSource, LayoutSourceOptions, Model,
+};
+use deltafin_storage::backend::PosixBackend;
+use deltafin_storage::checkpoint::Checkpoint;
+use deltafin_storage::engine::HashCheck;
+use deltafin_storage::expert_parts::expert_sources;
+use deltafin_storage::layout::{write_layout, LayoutOptions, NoProgress};
+use deltafin_storage::paced_backend::PacedBackend;
+use deltafin_storage::stripe::Mode;
+
+/// `ckpt` laid out on one fresh directory; returns the tempdir (keep it) and the layout folder.
+fn lay_out(ckpt: &Path) -> (tempfile::TempDir, PathBuf) {
+    let ckpt = Checkpoint::open(ckpt).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = LayoutOptions {
+        name: "m".into(),
+        drives: vec![tmp.path().to_path_buf()],
+        mode: Mode::Stripe,
+        stripe_unit: 1 << 20,
+        force: false,
+        naming: deltafin_inference::family::expert_naming(&ckpt.config).unwrap(),
+        transform: None,
+        keep_free: 0,
+    };
+    let m = write_layout(&ckpt, &opts, &NoProgress).unwrap();
+    let first = m.drives[0].path.clone();
+    (tmp, first)
+}
+
+/// Reads paced to `bytes_per_s`, so the forward pass waits for them.
+fn paced(bytes_per_s: f64) -> LayoutSourceOptions {
+    LayoutSourceOptions {
+        threads_per_drive: 2,
+        hash_check: HashCheck::All,
+        backend: Arc::new(
+            PacedBackend::new(Arc::new(PosixBackend::default()), bytes_per_s).unwrap(),
+        ),
+        ..LayoutSourceOptions::default()
+    }
+}
+
+/// While a layer waits for a drive, the source does the caller's idle work a step at a time
+/// and still hands over every expert once, with the bytes it would have without it.
+#[test]
+fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
+    let (_tmp, layout) = lay_out(&fixture_dir("deepseek_v3_a"));
+    let plain = LayoutSource::open(&layout, &LayoutSourceOptions::default()).unwrap();
+    // ~2 ms per expert record of this fixture: the reads are waited for.
+    let slow = LayoutSource::open(&layout, &paced(4e6)).unwrap();
+    let ckpt = Checkpoint::open(&fixture_dir("deepseek_v3_a")).unwrap();
+    let naming = deltafin_inference::family::expert_naming(&ckpt.config).unwrap();
+    let layer = expert_sources(&ckpt, &naming).unwrap()[0].layer as usize;
+    let experts: Vec<usize> = (0..4).collect();
+    let bytes_of = |src: &LayoutSource, idle: &mut dyn FnMut() -> bool| {
+        let mut got: Vec<(usize, Vec<u8>)> = Vec::new();
+        src.with_expert_groups_idle(
+            layer,
+            &experts,
+            &mut |group: &[(usize, ExpertView<'_>)]| {
+                for (e, v) in group {
+                    let bytes = v.parts().iter().flat_map(|p| p.tensor.bytes.to_vec());
+                    got.push((*e, bytes.collect()));
+                }
+                Ok(())
+            },
+            idle,
+        )
+        .unwrap();
+        got.sort_by_key(|g| g.0);
+        got
+    };
+    let want = bytes_of(&plain, &mut || false);
+    let mut steps = 0usize;
+    let got = bytes_of(&slow, &mut || {
+        steps += 1;
+        std::thread::sleep(std::time::Duration::from_micros(100));
+        steps < 1_000_000
+    });
+    assert!(steps > 0, "no idle work while waiting for a paced drive");
+    assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), experts);
+    assert_eq!(got, want);
+    // Work that is done is not asked for again.
+    let mut calls = 0usize;
+    let _ = bytes_of(&slow, &mut || {
+        calls += 1;
+        false
+    });
+    assert!(
+        calls <= experts.len(),
+        "{calls} calls after the work said it was done"
+    );
+}
+
+/// Generation over a paced drive, where every layer waits and warms the next one's weights,
+/// gives the greedy tokens of generation from the checkpoint in memory.
+#[test]
+fn generation_that_warms_while_waiting_keeps_its_tokens() {
+    let ckpt = tempfile::tempdir().unwrap();
+    common::synth_preset(ckpt.path(), "deepseek_v3", 7, &["num_hidden_layers=4"]);
+    let prompt: Vec<u32> = (0..9u32).map(|i| (i * 37 + 5) % 500).collect();
+    let run = |model: &Model| {
+        let mut c = GenerateConfig::for_model(model, 6);
+        c.stop_tokens.clear();
+        generate(model, &mut model.new_session(), &prompt, &c, &mut |_| true)
+            .unwrap()
+            .tokens
+    };
+    let want = run(&Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap());
+    let (_tmp, layout) = lay_out(ckpt.path());
+    let src = Arc::new(LayoutSource::open(&layout, &paced(64e6)).unwrap());
+    let model = Model::load(src.clone()).unwrap();
+    assert_eq!(run(&model), want);
+    assert!(
+        src.stats().fetch.stall > std::time::Duration::ZERO,
+        "the drive was never waited for"
+    );
+}
