@@ -455,7 +455,7 @@ impl Model {
                 _ => None,
             };
             let mut warm: Vec<&Linear> = Vec::new();
-            if warm_while_waiting() {
+            if self.source.wants_prefetch() && warm_while_waiting() {
                 if let Some(next) = resident(li + 1) {
                     warm.extend(next.mixer.matrices());
                     warm.extend(next.ffn.router_gate());
