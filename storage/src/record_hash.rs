@@ -38,11 +38,53 @@ impl RecordHash {
         }
     }
 
+    /// A check fed the bytes in order, for [`HashStream::matches`] against this value.
+    pub fn stream(&self) -> HashStream {
+        match self {
+            RecordHash::Xxh3(_) => HashStream::Xxh3(Box::default()),
+            RecordHash::Blake3(_) => HashStream::Blake3(Box::default()),
+        }
+    }
+
     /// Which function this is, for reports.
     pub fn algorithm(&self) -> &'static str {
         match self {
             RecordHash::Xxh3(_) => "xxh3-128",
             RecordHash::Blake3(_) => "blake3",
+        }
+    }
+}
+
+/// One record's check computed as its bytes arrive in order ([`RecordHash::stream`]).
+pub enum HashStream {
+    Xxh3(Box<Xxh3>),
+    Blake3(Box<blake3::Hasher>),
+}
+
+impl std::fmt::Debug for HashStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HashStream").finish_non_exhaustive()
+    }
+}
+
+impl HashStream {
+    pub fn update(&mut self, bytes: &[u8]) {
+        match self {
+            HashStream::Xxh3(h) => h.update(bytes),
+            HashStream::Blake3(h) => {
+                h.update(bytes);
+            }
+        }
+    }
+
+    /// True when the bytes fed so far hash to `want` (of the same function).
+    pub fn matches(&self, want: &RecordHash) -> bool {
+        match (self, want) {
+            (HashStream::Xxh3(h), RecordHash::Xxh3(w)) => h.digest128() == *w,
+            (HashStream::Blake3(h), RecordHash::Blake3(w)) => {
+                h.finalize() == blake3::Hash::from_bytes(*w)
+            }
+            _ => false,
         }
     }
 }
@@ -129,6 +171,16 @@ mod tests {
                 }
             }
             assert!(!check.matches(&bytes[..bytes.len() - 1]));
+        }
+        for with_xxh3 in [true, false] {
+            let check = RecordHash::from_manifest_hex(&b, with_xxh3.then_some(x.as_str())).unwrap();
+            let mut s = check.stream();
+            for c in bytes.chunks(4096 * 3 + 1) {
+                s.update(c);
+            }
+            assert!(s.matches(&check), "{with_xxh3}");
+            s.update(&[0]);
+            assert!(!s.matches(&check), "{with_xxh3}: a byte more");
         }
         assert_eq!(b, blake3::hash(&bytes).to_hex().to_string());
         assert_eq!(x, xxh3_hex(xxh3_128(&bytes)));

@@ -32,7 +32,11 @@ pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
         (Some(_), None) if req.cancelled.load(Ordering::Acquire) => Err(StorageError::Cancelled),
         (Some(buf), None) => match &req.expected_hash {
             Some(want) => {
-                if want.matches(&buf[..req.payload_len]) {
+                let matched = match &req.hashing {
+                    Some(h) => h.matches(req, want),
+                    None => want.matches(&buf[..req.payload_len]),
+                };
+                if matched {
                     Ok(Loaded {
                         target: req.target.clone(),
                         tag: req.tag,

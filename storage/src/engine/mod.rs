@@ -27,6 +27,7 @@ mod completion;
 pub mod config;
 pub mod drive;
 mod locate;
+mod piece_hash;
 mod repair;
 pub mod repair_report;
 mod replica;
@@ -54,6 +55,7 @@ use crate::backend::IoFile;
 use crate::buffer::{AlignedBuf, BufferPool};
 use crate::engine::completion::{complete, finish_piece};
 use crate::engine::drive::{Drive, Unavailable};
+use crate::engine::piece_hash::PieceHashing;
 use crate::engine::request::{BufPtr, InFlight, Job, PieceSlot};
 use crate::engine::schedule::least_loaded;
 use crate::engine::shared::Shared;
@@ -331,6 +333,10 @@ impl Engine {
                 .is_multiple_of(u64::from(n)),
         };
         let expected_hash = hash.filter(|_| check);
+        let hashing = expected_hash.as_ref().and_then(|want| {
+            let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.buf_offset, p.len)).collect();
+            PieceHashing::new(&spans, payload_len, want)
+        });
         let ptr = BufPtr(buf.as_mut_ptr());
         let n = pieces.len();
         for p in &pieces {
@@ -343,6 +349,7 @@ impl Engine {
             tag,
             payload_len,
             expected_hash,
+            hashing,
             ptr,
             buf: Mutex::new(Some(buf)),
             pieces: pieces

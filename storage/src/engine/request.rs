@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_channel::Sender;
 
 use crate::buffer::{AlignedBuf, PooledBuf};
+use crate::engine::piece_hash::PieceHashing;
 use crate::error::{Result, StorageError};
 use crate::record_hash::RecordHash;
 use crate::stripe::Piece;
@@ -109,6 +110,9 @@ pub(crate) struct InFlight {
     pub tag: u64,
     pub payload_len: usize,
     pub expected_hash: Option<RecordHash>,
+    /// The expected hash's check, fed piece by piece as they land (`None`: hashed whole at
+    /// completion, or not checked).
+    pub hashing: Option<PieceHashing>,
     pub ptr: BufPtr,
     pub buf: Mutex<Option<ReadBuf>>,
     pub pieces: Vec<PieceSlot>,

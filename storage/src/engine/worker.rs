@@ -71,7 +71,12 @@ pub(crate) fn worker(
             timeline::record(kind, started, Instant::now(), rd as u64, p.len);
         }
         match read {
-            Ok(()) => slot.served_by.store(rd, Ordering::Relaxed),
+            Ok(()) => {
+                slot.served_by.store(rd, Ordering::Relaxed);
+                if let Some(h) = &req.hashing {
+                    h.piece_landed(&req, piece);
+                }
+            }
             Err(e) => {
                 drive.mark_failed();
                 // Every drive of a replicated layout holds the same bytes at the same offset.
@@ -81,7 +86,12 @@ pub(crate) fn worker(
                     Err(e)
                 };
                 match recovered {
-                    Ok(o) => slot.served_by.store(o, Ordering::Relaxed),
+                    Ok(o) => {
+                        slot.served_by.store(o, Ordering::Relaxed);
+                        if let Some(h) = &req.hashing {
+                            h.piece_landed(&req, piece);
+                        }
+                    }
                     Err(e) => req.set_error(e),
                 }
             }
