@@ -33,7 +33,10 @@ pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
         (Some(buf), None) => match &req.expected_hash {
             Some(want) => {
                 let matched = match &req.hashing {
-                    Some(h) => h.matches(req, want),
+                    // SAFETY: `req.ptr` points into `buf` (moved out of the request, its heap
+                    // bytes unmoved), which this thread holds until the completion is sent;
+                    // every piece is finished (the last `remaining` decrement got us here).
+                    Some(h) => unsafe { h.matches(req.ptr.0, want) },
                     None => want.matches(&buf[..req.payload_len]),
                 };
                 if matched {

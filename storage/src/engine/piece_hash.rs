@@ -10,12 +10,15 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use crate::engine::request::InFlight;
 use crate::record_hash::{HashStream, RecordHash};
 
 /// The in-order hash of one request's pieces.
 #[derive(Debug)]
 pub(crate) struct PieceHashing {
+    /// Per piece: (offset in the buffer, length).
+    spans: Vec<(u64, u64)>,
+    /// Bytes of the buffer that are the record (the pieces may run on to an aligned end).
+    payload_len: usize,
     /// Piece indices in buffer order.
     order: Vec<usize>,
     /// Per piece: read and not to be written again.
@@ -48,6 +51,8 @@ impl PieceHashing {
             return None;
         }
         Some(PieceHashing {
+            spans: pieces.to_vec(),
+            payload_len,
             order,
             landed: pieces.iter().map(|_| AtomicBool::new(false)).collect(),
             progress: Mutex::new(Progress {
@@ -57,45 +62,55 @@ impl PieceHashing {
         })
     }
 
-    /// Piece `piece` of `req` has been read: hash it and the landed pieces after it if the
-    /// pieces before are hashed and no other worker is hashing now (that one goes on to ours).
-    pub fn piece_landed(&self, req: &InFlight, piece: usize) {
+    /// Piece `piece` has been read into the buffer at `base`: hash it and the landed pieces
+    /// after it if the pieces before are hashed and no other worker is hashing now (that one
+    /// goes on to ours).
+    ///
+    /// # Safety
+    /// `base` points to the request's buffer, which holds every piece's span and stays
+    /// allocated until [`PieceHashing::matches`] has returned; a piece's bytes are written
+    /// once, before the call that reports it landed, and never while it is being hashed.
+    pub unsafe fn piece_landed(&self, base: *const u8, piece: usize) {
         if let Some(flag) = self.landed.get(piece) {
             flag.store(true, Ordering::Release);
         }
         if let Ok(mut p) = self.progress.try_lock() {
-            self.advance(req, &mut p);
+            // SAFETY: the caller's promise.
+            unsafe { self.advance(base, &mut p) };
         }
     }
 
-    /// Every piece has landed (the request's last `remaining` decrement has ordered their
-    /// writes before this): hash what is left and compare.
-    pub fn matches(&self, req: &InFlight, want: &RecordHash) -> bool {
+    /// Every piece has landed: hash what is left and compare.
+    ///
+    /// # Safety
+    /// As for [`PieceHashing::piece_landed`], and every piece has been written (the request's
+    /// last `remaining` decrement orders those writes before this call).
+    pub unsafe fn matches(&self, base: *const u8, want: &RecordHash) -> bool {
         let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         for flag in &self.landed {
             flag.store(true, Ordering::Release);
         }
-        self.advance(req, &mut p);
+        // SAFETY: the caller's promise.
+        unsafe { self.advance(base, &mut p) };
         p.next == self.order.len() && p.stream.matches(want)
     }
 
-    fn advance(&self, req: &InFlight, p: &mut Progress) {
+    /// # Safety
+    /// As for [`PieceHashing::piece_landed`].
+    unsafe fn advance(&self, base: *const u8, p: &mut Progress) {
         while let Some(&i) = self.order.get(p.next) {
             if !self.landed[i].load(Ordering::Acquire) {
                 return;
             }
-            let piece = req.pieces[i].piece;
-            let start = (piece.buf_offset as usize).min(req.payload_len);
-            let end = (piece.buf_offset.saturating_add(piece.len) as usize).min(req.payload_len);
+            let (off, len) = self.spans[i];
+            let start = (off as usize).min(self.payload_len);
+            let end = (off.saturating_add(len) as usize).min(self.payload_len);
             if end > start {
-                // SAFETY: the range lies within the buffer (pieces cover the aligned payload it
-                // was sized for, and it is cut at `payload_len`); the piece's worker finished
-                // writing it before setting its `landed` flag (Release, read here with Acquire),
-                // no piece is written twice, and other workers write only other, disjoint
-                // pieces. The buffer stays allocated until the request's completion is sent,
-                // after the last call here.
-                let bytes =
-                    unsafe { std::slice::from_raw_parts(req.ptr.0.add(start), end - start) };
+                // SAFETY: the range lies within the buffer (the caller's promise: it holds every
+                // piece's span; cut here at `payload_len`); the piece's writer finished before
+                // its `landed` flag was set (Release, read here with Acquire) and no one writes
+                // it again, while other pieces' writers touch only their own, disjoint spans.
+                let bytes = unsafe { std::slice::from_raw_parts(base.add(start), end - start) };
                 p.stream.update(bytes);
             }
             p.next += 1;

@@ -74,7 +74,10 @@ pub(crate) fn worker(
             Ok(()) => {
                 slot.served_by.store(rd, Ordering::Relaxed);
                 if let Some(h) = &req.hashing {
-                    h.piece_landed(&req, piece);
+                    // SAFETY: `req.ptr` is the request's buffer, sized for every piece and
+                    // owned by `req` until its completion; this piece was written just above
+                    // and no one writes it again.
+                    unsafe { h.piece_landed(req.ptr.0, piece) };
                 }
             }
             Err(e) => {
@@ -89,7 +92,8 @@ pub(crate) fn worker(
                     Ok(o) => {
                         slot.served_by.store(o, Ordering::Relaxed);
                         if let Some(h) = &req.hashing {
-                            h.piece_landed(&req, piece);
+                            // SAFETY: as above; the other replica's copy was just written.
+                            unsafe { h.piece_landed(req.ptr.0, piece) };
                         }
                     }
                     Err(e) => req.set_error(e),
