@@ -15,18 +15,20 @@
 # overlap 1.20-1.35 with both vs 1.15-1.18 paced only, session 18).
 #
 # Overlap of deltafin's reads and compute, per decoded token:
-#   I/O time     = bytes per decoded token / the drive's rate, counted two ways: the bytes the
-#                  drive transferred (`drive_bytes_read_per_token`: the drive's time, wasted
-#                  prefetches included) and the bytes of the experts the tokens used
-#                  (`bytes_read_per_token`, as sessions up to 24 counted); the rate is the throttle (deltafin
+#   I/O time     = bytes per decoded token / the drive's rate, counted two ways: the records
+#                  that landed in the expert cache (`bytes_read_per_token`, as sessions up to 24
+#                  counted: prefetches cancelled part-read are left out) and everything the
+#                  drive transferred (`drive_bytes_read_per_token`: the drive's time); the rate
+#                  is the throttle (deltafin
 #                  then also paces its reads to it: --pace-drives), or (the virtual disk) the
 #                  mean of what fio reads of the layout's data file in the engine's pattern
 #                  (O_DIRECT pread, 512 KiB random pieces, one job per engine thread) just
 #                  before and just after the run
 #   compute time = decode time per token of the same model in RAM (`bench compute`, median)
 #   ratio        = decode time per token / max(I/O time, compute time)       (target <= 1.1)
-#                  (`overlap_ratio`: with the drive's bytes; `overlap_ratio_used_bytes`: with
-#                  the used ones, which also charges the wasted prefetches to the overlap)
+#                  (`overlap_ratio`: with the landed records' bytes, as before;
+#                  `overlap_ratio_drive_bytes`: with the drive's, which leaves the wasted part
+#                  of cancelled prefetches out of the overlap's charge)
 # The drive's busy time (a read outstanding) is recorded too. Writes
 # benches/results/vs_llamacpp_cap${OUT_SUFFIX}.json.
 #
@@ -133,14 +135,15 @@ x = json.loads(sys.stdin.read())
 s = x['decode_s_per_token']
 n = x['tokens']
 busy_s = sum(d['busy_s'] for d in x['drive_stats'])
-io_used_s = x['bytes_read_per_token'] / $rate
-io_s = x['drive_bytes_read_per_token'] / $rate
+io_s = x['bytes_read_per_token'] / $rate
+# Builds before session 25 do not report the drive's bytes: the landed ones stand in.
+io_drive_s = x.get('drive_bytes_read_per_token', x['bytes_read_per_token']) / $rate
 compute_s = 1.0 / $compute_tps
 print(json.dumps({'engine': 'deltafin', 'format': '$f', 'round': $r, 'cap_bytes': $cap, 'model_bytes': $bytes,
                   'hash_check': '$HASH_CHECK',
                   'tokens_per_s': 1.0 / s, 'peak_rss_bytes': x['peak_rss_bytes'],
                   'bytes_read_per_token': x['bytes_read_per_token'],
-                  'drive_bytes_read_per_token': x['drive_bytes_read_per_token'],
+                  'drive_bytes_read_per_token': x.get('drive_bytes_read_per_token'),
                   'decode_io_stall_s': x.get('decode_io_stall_s'),
                   'decode_expert_cache_hit_rate': x.get('decode_expert_cache_hit_rate'),
                   'drive_rate_bytes_per_s': $rate, 'drive_rate_source': 'throttle' if '$THROTTLE' else 'fio',
@@ -148,10 +151,10 @@ print(json.dumps({'engine': 'deltafin', 'format': '$f', 'round': $r, 'cap_bytes'
                   'expert_memory_preallocated': x.get('budget', {}).get('expert_memory_preallocated'),
                   'expert_memory_preallocate_s': x.get('budget', {}).get('expert_memory_preallocate_ms', 0) / 1e3,
                   'drive_busy_s_per_token': busy_s / n, 'tokens': n,
-                  'io_s_per_token': io_s, 'io_used_s_per_token': io_used_s,
+                  'io_s_per_token': io_s, 'io_drive_s_per_token': io_drive_s,
                   'compute_s_per_token': compute_s, 'decode_s_per_token': s,
                   'overlap_ratio': s / max(io_s, compute_s),
-                  'overlap_ratio_used_bytes': s / max(io_used_s, compute_s)}))" >> "$raw"
+                  'overlap_ratio_drive_bytes': s / max(io_drive_s, compute_s)}))" >> "$raw"
         [ -n "$NO_LLAMA" ] && continue
         for g in "${ggufs[@]}"; do
             drop
@@ -183,10 +186,10 @@ for f in dict.fromkeys(r["format"] for r in rows):
                       "deltafin_tokens_per_s": o, "llama_cpp_tokens_per_s": t, "ratio": o / t if t else None,
                       "overlap_ratio": statistics.median(r["overlap_ratio"] for r in ours),
                       "overlap_ratios": [r["overlap_ratio"] for r in ours],
-                      "overlap_ratio_used_bytes": statistics.median(r["overlap_ratio_used_bytes"] for r in ours),
-                      "overlap_ratios_used_bytes": [r["overlap_ratio_used_bytes"] for r in ours],
+                      "overlap_ratio_drive_bytes": statistics.median(r["overlap_ratio_drive_bytes"] for r in ours),
+                      "overlap_ratios_drive_bytes": [r["overlap_ratio_drive_bytes"] for r in ours],
                       "io_s_per_token": statistics.median(r["io_s_per_token"] for r in ours),
-                      "io_used_s_per_token": statistics.median(r["io_used_s_per_token"] for r in ours),
+                      "io_drive_s_per_token": statistics.median(r["io_drive_s_per_token"] for r in ours),
                       "compute_s_per_token": ours[0]["compute_s_per_token"],
                       "decode_s_per_token": statistics.median(r["decode_s_per_token"] for r in ours)})
 thr = os.environ.get("THROTTLE")
@@ -202,6 +205,6 @@ for t in table:
     print(f"{t['format']:5} {t['llama_cpp_file'] or '-':22} deltafin {t['deltafin_tokens_per_s']:7.2f}  {theirs}"
           f"decode/max(io, compute) {t['overlap_ratio']:.2f} (io {t['io_s_per_token']*1e3:.1f} ms, "
           f"compute {t['compute_s_per_token']*1e3:.1f} ms, decode {t['decode_s_per_token']*1e3:.1f} ms); "
-          f"with the used bytes only {t['overlap_ratio_used_bytes']:.2f} (io {t['io_used_s_per_token']*1e3:.1f} ms)")
+          f"with all the drive's bytes {t['overlap_ratio_drive_bytes']:.2f} (io {t['io_drive_s_per_token']*1e3:.1f} ms)")
 PY
 rm -f "$raw"

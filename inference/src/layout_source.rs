@@ -397,8 +397,14 @@ impl WeightSource for LayoutSource {
                     // thread does the caller's idle work, looking for a landing between steps.
                     crate::kernels::pool::pool().rest();
                     let mut landed = None;
+                    let waiting = std::time::Instant::now();
+                    let mut worked = false;
                     while landed.is_none() && on_idle() {
+                        worked = true;
                         landed = batch.next_ready();
+                    }
+                    if worked {
+                        batch.count_wait(waiting);
                     }
                     match landed.or_else(|| batch.next()) {
                         Some(l) => l,

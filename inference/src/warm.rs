@@ -14,6 +14,41 @@ pub const WARM_STEP_BYTES: usize = 64 << 10;
 /// Cache line size the loads step by.
 const LINE: usize = 64;
 
+/// Bytes worth warming at once: a quarter of the last-level cache (Linux: cpu0's highest
+/// cache level in sysfs), else 4 MiB. A DeepSeek-V3-sized layer's attention is ~370 MB of
+/// BF16; loading all of it would evict its own first matrices before they are used.
+pub fn warm_budget() -> usize {
+    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| last_level_cache_bytes().map_or(4 << 20, |b| b / 4))
+}
+
+fn last_level_cache_bytes() -> Option<usize> {
+    (0..8)
+        .rev()
+        .find_map(|i| {
+            std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size"))
+                .ok()
+        })
+        .and_then(|s| parse_cache_size(s.trim()))
+}
+
+/// `32768K`, `8M`, `1048576` as bytes.
+fn parse_cache_size(s: &str) -> Option<usize> {
+    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => s.split_at(i),
+        None => (s, ""),
+    };
+    let n: usize = digits.parse().ok()?;
+    let mult = match unit {
+        "" => 1,
+        "K" => 1 << 10,
+        "M" => 1 << 20,
+        "G" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
 /// Slices to pull into the caches, and how far it has got.
 #[derive(Debug, Default)]
 pub struct CacheWarmer<'a> {
@@ -29,6 +64,21 @@ impl<'a> CacheWarmer<'a> {
             slice: 0,
             offset: 0,
         }
+    }
+
+    /// The first `cap` bytes of `slices` (in order: put what is read first, first).
+    pub fn capped(slices: impl IntoIterator<Item = &'a [u8]>, cap: usize) -> Self {
+        let mut left = cap;
+        let mut kept = Vec::new();
+        for s in slices {
+            if left == 0 {
+                break;
+            }
+            let take = s.len().min(left);
+            kept.push(&s[..take]);
+            left -= take;
+        }
+        CacheWarmer::new(kept)
     }
 
     /// Load about `budget` more bytes (one byte per cache line); `false` once all are loaded.
@@ -85,5 +135,24 @@ mod tests {
         assert_eq!(w.remaining(), 0);
         assert!(!w.step(600));
         assert!(!CacheWarmer::default().step(1));
+        assert_eq!(
+            CacheWarmer::capped([&a[..], &b[..]], 1005).remaining(),
+            1005
+        );
+        assert_eq!(
+            CacheWarmer::capped([&a[..], &b[..]], 5000).remaining(),
+            1010
+        );
+        assert_eq!(CacheWarmer::capped([&a[..], &b[..]], 0).remaining(), 0);
+    }
+
+    #[test]
+    fn cache_sizes_parse() {
+        assert_eq!(parse_cache_size("32768K"), Some(32 << 20));
+        assert_eq!(parse_cache_size("8M"), Some(8 << 20));
+        assert_eq!(parse_cache_size("1024"), Some(1024));
+        assert_eq!(parse_cache_size("12Q"), None);
+        assert_eq!(parse_cache_size(""), None);
+        assert!(warm_budget() > 0);
     }
 }

@@ -92,12 +92,15 @@ fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
     assert!(steps > 0, "no idle work while waiting for a paced drive");
     assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), experts);
     assert_eq!(got, want);
-    // Work that is done is not asked for again.
+    // Work that is done is not asked for again: once per wait at most (a fresh source, so
+    // the reads are waited for again).
+    let fresh = LayoutSource::open(&layout, &paced(4e6)).unwrap();
     let mut calls = 0usize;
-    let _ = bytes_of(&slow, &mut || {
+    let _ = bytes_of(&fresh, &mut || {
         calls += 1;
         false
     });
+    assert!(calls > 0, "the fresh source never waited");
     assert!(
         calls <= experts.len(),
         "{calls} calls after the work said it was done"
@@ -105,26 +108,46 @@ fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
 }
 
 /// Generation over a paced drive, where every layer waits and warms the next one's weights,
-/// gives the greedy tokens of generation from the checkpoint in memory.
+/// gives the greedy tokens of generation from the checkpoint in memory, on every synthetic
+/// architecture; each one's layers have matrices to warm.
 #[test]
 fn generation_that_warms_while_waiting_keeps_its_tokens() {
-    let ckpt = tempfile::tempdir().unwrap();
-    common::synth_preset(ckpt.path(), "deepseek_v3", 7, &["num_hidden_layers=4"]);
-    let prompt: Vec<u32> = (0..9u32).map(|i| (i * 37 + 5) % 500).collect();
-    let run = |model: &Model| {
-        let mut c = GenerateConfig::for_model(model, 6);
-        c.stop_tokens.clear();
-        generate(model, &mut model.new_session(), &prompt, &c, &mut |_| true)
-            .unwrap()
-            .tokens
-    };
-    let want = run(&Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap());
-    let (_tmp, layout) = lay_out(ckpt.path());
-    let src = Arc::new(LayoutSource::open(&layout, &paced(64e6)).unwrap());
-    let model = Model::load(src.clone()).unwrap();
-    assert_eq!(run(&model), want);
-    assert!(
-        src.stats().fetch.stall > std::time::Duration::ZERO,
-        "the drive was never waited for"
-    );
+    use deltafin_inference::model::decoder::LayerSlot;
+    for arch in deltafin_inference::synth::presets::SYNTH_ARCHS {
+        let ckpt = tempfile::tempdir().unwrap();
+        common::synth_preset(ckpt.path(), arch, 7, &["num_hidden_layers=4"]);
+        let prompt: Vec<u32> = (0..9u32).map(|i| (i * 37 + 5) % 500).collect();
+        let run = |model: &Model| {
+            let mut c = GenerateConfig::for_model(model, 6);
+            c.stop_tokens.clear();
+            generate(model, &mut model.new_session(), &prompt, &c, &mut |_| true)
+                .unwrap()
+                .tokens
+        };
+        let want = run(&Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap());
+        let (_tmp, layout) = lay_out(ckpt.path());
+        let src = Arc::new(LayoutSource::open(&layout, &paced(64e6)).unwrap());
+        let model = Model::load(src.clone()).unwrap();
+        assert_eq!(run(&model), want, "{arch}");
+        assert!(
+            src.stats().fetch.stall > std::time::Duration::ZERO,
+            "{arch}: the drive was never waited for"
+        );
+        for slot in model.layers() {
+            if let LayerSlot::Resident(l) = slot {
+                assert!(
+                    !l.mixer.matrices().is_empty(),
+                    "{arch} layer {}: nothing to warm",
+                    l.index
+                );
+            }
+        }
+        assert!(
+            model
+                .layers()
+                .iter()
+                .any(|s| matches!(s, LayerSlot::Resident(l) if l.ffn.router_gate().is_some())),
+            "{arch}: no router to warm"
+        );
+    }
 }

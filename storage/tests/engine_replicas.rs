@@ -529,13 +529,22 @@ fn prefetch_reads_in_flight_are_capped_and_demand_still_gets_a_worker() {
     engine
         .submit(Target::Record(experts[20]), Lane::Demand, 20, dtx, None)
         .unwrap();
-    wait_until("the demand read starts", || gate.started() == 3);
-    assert_eq!(
-        gate.log.lock().unwrap()[2],
-        m.records[experts[20]].offset,
-        "the third read is the demand"
-    );
+    // Every failure lets the workers go first, so the engine can shut down and the test fails
+    // instead of hanging.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while gate.started() < 3 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    let third = gate.log.lock().unwrap().get(2).copied();
     gate.open();
-    drx.recv().unwrap().result.unwrap();
-    assert_eq!(prx.iter().take(12).filter(|c| c.result.is_ok()).count(), 12);
+    assert_eq!(
+        third,
+        Some(m.records[experts[20]].offset),
+        "the third read is the demand, taken while two prefetches hold the cap"
+    );
+    let wait = Duration::from_secs(10);
+    drx.recv_timeout(wait).unwrap().result.unwrap();
+    for _ in 0..12 {
+        prx.recv_timeout(wait).unwrap().result.unwrap();
+    }
 }

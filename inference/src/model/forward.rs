@@ -17,7 +17,7 @@ use crate::model::routing_counts::RoutingCounts;
 use crate::model::session::{OutputStates, Session};
 use crate::ops::RmsNorm;
 use crate::spans::{span, timed, Phase};
-use crate::warm::{CacheWarmer, WARM_STEP_BYTES};
+use crate::warm::{warm_budget, CacheWarmer, WARM_STEP_BYTES};
 use crate::weights::WeightSource;
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -462,8 +462,10 @@ impl Model {
                 }
                 warm.extend(resident(li + 2).and_then(|l| l.ffn.router_gate()));
             }
-            let mut warmer =
-                CacheWarmer::new(warm.into_iter().flat_map(Linear::weight_slices).collect());
+            let mut warmer = CacheWarmer::capped(
+                warm.into_iter().flat_map(Linear::weight_slices),
+                warm_budget(),
+            );
             let mut warm_step = || warmer.step(WARM_STEP_BYTES);
             let mut ctx = FfnContext {
                 source: &*self.source,

@@ -28,8 +28,8 @@ pub struct Measured {
     /// Per-drive counters over the whole generation.
     pub drives: Vec<DriveStats>,
     /// Per-drive counters after the first token: every byte the drives transferred while
-    /// decoding, including prefetches that were cancelled or never used (which `decode_fetch`,
-    /// counting the records that landed in the cache, leaves out).
+    /// decoding, including the read part of prefetches cancelled before they landed (which
+    /// `decode_fetch`, counting the records that landed in the cache, leaves out).
     pub decode_drives: Vec<DriveStats>,
     pub peak_rss: Option<u64>,
 }

@@ -83,9 +83,11 @@ pub struct EngineConfig {
     /// Prefetch pieces each drive reads at once, at most (0: as many as it has workers).
     /// A demand read that arrives while the drive reads prefetched pieces waits for them, and a
     /// prefetch the router did not choose is cancelled only in its pieces not yet started.
-    /// 2 of 4 on the medium synthetic model at a 40% memory cap, one drive paced to 1 GiB/s:
-    /// 2.4% fewer bytes per token and 49.9 vs 50.7 ms per token (medians of 7); 1 read 4% fewer
-    /// bytes but decoded no faster (`benches/results/prefetch_depth_session25.txt`).
+    /// On the medium synthetic model at a 40% memory cap, one drive paced to 1 GiB/s, 2 of 4
+    /// read 2.5% fewer bytes per decoded token and decoded 49.9 vs 50.7 ms per token (medians
+    /// of 7, within the noise), but a 128-token prompt took ~1% longer and streamed layers'
+    /// certain read-ahead shares the cap, so the default stays unlimited
+    /// (`benches/results/prefetch_depth_session25.txt`).
     pub prefetch_depth: usize,
 }
 
@@ -101,7 +103,7 @@ impl Default for EngineConfig {
             unavailable_drives: Vec::new(),
             clock: Arc::new(SystemClock::default()),
             repair: true,
-            prefetch_depth: 2,
+            prefetch_depth: 0,
         }
     }
 }

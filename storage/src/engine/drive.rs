@@ -60,7 +60,7 @@ pub(crate) struct Drive {
     pub outstanding: AtomicU64,
     pub bytes_read: AtomicU64,
     pub reads: AtomicU64,
-    /// Prefetch-lane pieces being read now (`Shared::prefetch_depth` at most).
+    /// Prefetch-lane pieces being read now or about to be (`Shared::prefetch_depth` at most).
     pub prefetch_in_flight: AtomicUsize,
     /// Reads of this drive that failed (I/O error or short read).
     read_errors: AtomicU64,

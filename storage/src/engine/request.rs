@@ -97,8 +97,9 @@ pub(crate) struct PieceSlot {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BufPtr(pub *mut u8);
 // SAFETY: the pointer targets a heap buffer owned by the InFlight that outlives every job
-// holding it; each piece writes a disjoint range, and the buffer is only read after the last
-// piece's `remaining` decrement (AcqRel) has ordered all writes before the read.
+// holding it; each piece writes a disjoint range, and a range is read only after its writer
+// reported it landed (`piece_hash`: Release/Acquire) or after the last piece's `remaining`
+// decrement (AcqRel) has ordered all writes before the read.
 unsafe impl Send for BufPtr {}
 // SAFETY: as above.
 unsafe impl Sync for BufPtr {}

@@ -25,8 +25,9 @@ pub(crate) fn worker(
 ) {
     let steal = shared.manifest.mode == Mode::Replicate && lanes.len() > 1;
     while let Some(Taken { job, prefetch_slot }) = next_job(&shared, d, &lanes, steal) {
-        // The slot is given back when this piece is done with, however that ends.
-        let _slot = prefetch_slot.then(|| SlotGuard(&shared, d));
+        // The slot is given back once the piece's read is over, however that ends (a drop
+        // below, or any early exit).
+        let slot_guard = prefetch_slot.then(|| SlotGuard(&shared, d));
         let (req, piece) = match job {
             Job::Stop => return,
             Job::Read { req, piece } => (req, piece),
@@ -56,12 +57,14 @@ pub(crate) fn worker(
         let drive = &shared.drives[rd];
         // SAFETY: [buf_offset, buf_offset+len) lies within the buffer's capacity (pieces cover
         // the aligned payload length, which the buffer was sized for), no other piece overlaps
-        // it, and the buffer is not read until every piece is finished.
+        // it, and no one reads this range until it is reported landed (`piece_hash`) or every
+        // piece is finished.
         let dst = unsafe {
             std::slice::from_raw_parts_mut(req.ptr.0.add(p.buf_offset as usize), p.len as usize)
         };
         let started = timeline::enabled().then(Instant::now);
         let read = drive.read(rd, dst, p.file_offset);
+        drop(slot_guard);
         if let Some(started) = started {
             let kind = if req.lane.load(Ordering::Relaxed) == Lane::Demand as u8 {
                 "read_demand"
@@ -73,7 +76,11 @@ pub(crate) fn worker(
         match read {
             Ok(()) => {
                 slot.served_by.store(rd, Ordering::Relaxed);
-                if let Some(h) = &req.hashing {
+                if let Some(h) = req
+                    .hashing
+                    .as_ref()
+                    .filter(|_| !req.cancelled.load(Ordering::Relaxed))
+                {
                     // SAFETY: `req.ptr` is the request's buffer, sized for every piece and
                     // owned by `req` until its completion; this piece was written just above
                     // and no one writes it again.
@@ -91,7 +98,11 @@ pub(crate) fn worker(
                 match recovered {
                     Ok(o) => {
                         slot.served_by.store(o, Ordering::Relaxed);
-                        if let Some(h) = &req.hashing {
+                        if let Some(h) = req
+                            .hashing
+                            .as_ref()
+                            .filter(|_| !req.cancelled.load(Ordering::Relaxed))
+                        {
                             // SAFETY: as above; the other replica's copy was just written.
                             unsafe { h.piece_landed(req.ptr.0, piece) };
                         }

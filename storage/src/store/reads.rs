@@ -340,6 +340,15 @@ impl<'s> ExpertBatch<'s> {
         Ok(())
     }
 
+    /// Time since `since` spent waiting for this batch's reads while doing other work (the
+    /// caller's idle work between [`ExpertBatch::next_ready`] looks): counted as a stall, and
+    /// on the timeline as one, as a blocking wait is.
+    pub fn count_wait(&mut self, since: Instant) {
+        let now = Instant::now();
+        self.st.stats.stall += now.duration_since(since);
+        crate::timeline::record("stall", since, now, u64::from(self.layer), 0);
+    }
+
     /// The next expert of the batch whose bytes are available now (cached, or a read that
     /// has completed), without waiting for a drive; `None` when none is.
     pub fn next_ready(&mut self) -> Option<Result<LandedExpert<'s>>> {

@@ -165,8 +165,9 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
         v["prefill_bytes_read"] = p.read_bytes.into();
         v["decode_bytes_read"] = d.read_bytes.into();
         v["bytes_read_per_token"] = (d.read_bytes as f64 / m.decode_steps.max(1) as f64).into();
-        // What the drives transferred while decoding, wasted prefetches included: the drives'
-        // time, where `bytes_read_per_token` is the experts the tokens used.
+        // What the drives transferred while decoding: the drives' time, where
+        // `bytes_read_per_token` counts the records that landed in the cache (a prefetch
+        // cancelled after some of its pieces were read is in the first, not the second).
         let drive_bytes: u64 = m.decode_drives.iter().map(|s| s.bytes_read).sum();
         v["decode_drive_bytes_read"] = drive_bytes.into();
         v["drive_bytes_read_per_token"] =
