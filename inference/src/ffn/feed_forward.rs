@@ -14,8 +14,8 @@ pub struct FfnContext<'a> {
     /// When set, MoE layers push each position's routing here.
     pub routing: Option<&'a mut Vec<Routing>>,
     /// Work for the time spent waiting for experts' bytes (see
-    /// [`WeightSource::with_expert_groups_idle`]); `None`: none.
-    pub idle: Option<&'a mut dyn FnMut() -> bool>,
+    /// [`WeightSource::with_expert_groups_idle`]); `&mut || false`: none.
+    pub idle: &'a mut dyn FnMut() -> bool,
 }
 
 impl std::fmt::Debug for FfnContext<'_> {

@@ -110,11 +110,6 @@ impl FeedForward for MoeFfn {
         let mut shared_out: Option<Vec<f32>> = None;
         // Every position in order: the experts can read `x` itself (and share its prepared
         // form) instead of a gathered copy.
-        let mut no_idle = || false;
-        let on_idle: &mut dyn FnMut() -> bool = match ctx.idle.as_deref_mut() {
-            Some(f) => f,
-            None => &mut no_idle,
-        };
         ctx.source.with_expert_groups_idle(
             layer,
             &wanted,
@@ -179,7 +174,7 @@ impl FeedForward for MoeFfn {
                 }
                 Ok(())
             },
-            on_idle,
+            &mut *ctx.idle,
         )?;
         if let Some(k) = outputs.iter().position(|o| o.is_none()) {
             return Err(InferenceError::MissingExpert {

@@ -475,7 +475,7 @@ impl Model {
                 } else {
                     None
                 },
-                idle: Some(&mut warm_step),
+                idle: &mut warm_step,
             };
             let y = timed(Phase::Ffn, || layer.ffn.forward(&x, n, &mut ctx))?;
             timed(Phase::Residual, || {

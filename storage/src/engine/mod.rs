@@ -334,8 +334,8 @@ impl Engine {
         };
         let expected_hash = hash.filter(|_| check);
         let hashing = expected_hash.as_ref().and_then(|want| {
-            let spans: Vec<(u64, u64)> = pieces.iter().map(|p| (p.buf_offset, p.len)).collect();
-            PieceHashing::new(&spans, payload_len, want)
+            let spans = pieces.iter().map(|p| (p.buf_offset, p.len)).collect();
+            PieceHashing::new(spans, payload_len, want)
         });
         let ptr = BufPtr(buf.as_mut_ptr());
         let n = pieces.len();

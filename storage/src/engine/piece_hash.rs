@@ -36,7 +36,7 @@ struct Progress {
 impl PieceHashing {
     /// For pieces `(buf_offset, len)` that tile `[0, n)` for some `n >= payload_len`, in any
     /// order; `None` otherwise (the record is then hashed whole at completion).
-    pub fn new(pieces: &[(u64, u64)], payload_len: usize, want: &RecordHash) -> Option<Self> {
+    pub fn new(pieces: Vec<(u64, u64)>, payload_len: usize, want: &RecordHash) -> Option<Self> {
         let mut order: Vec<usize> = (0..pieces.len()).collect();
         order.sort_by_key(|&i| pieces[i].0);
         let mut end = 0u64;
@@ -51,10 +51,10 @@ impl PieceHashing {
             return None;
         }
         Some(PieceHashing {
-            spans: pieces.to_vec(),
+            landed: pieces.iter().map(|_| AtomicBool::new(false)).collect(),
+            spans: pieces,
             payload_len,
             order,
-            landed: pieces.iter().map(|_| AtomicBool::new(false)).collect(),
             progress: Mutex::new(Progress {
                 stream: want.stream(),
                 next: 0,
@@ -125,21 +125,21 @@ mod tests {
     #[test]
     fn refuses_pieces_that_do_not_tile_the_payload() {
         let want = RecordHash::Xxh3(0);
-        assert!(PieceHashing::new(&[(0, 4096), (4096, 4096)], 8000, &want).is_some());
-        assert!(PieceHashing::new(&[(4096, 4096), (0, 4096)], 8192, &want).is_some());
+        assert!(PieceHashing::new(vec![(0, 4096), (4096, 4096)], 8000, &want).is_some());
+        assert!(PieceHashing::new(vec![(4096, 4096), (0, 4096)], 8192, &want).is_some());
         assert!(
-            PieceHashing::new(&[(0, 4096), (8192, 4096)], 8000, &want).is_none(),
+            PieceHashing::new(vec![(0, 4096), (8192, 4096)], 8000, &want).is_none(),
             "a gap"
         );
         assert!(
-            PieceHashing::new(&[(0, 4096), (0, 4096)], 4096, &want).is_none(),
+            PieceHashing::new(vec![(0, 4096), (0, 4096)], 4096, &want).is_none(),
             "overlap"
         );
         assert!(
-            PieceHashing::new(&[(0, 4096)], 8000, &want).is_none(),
+            PieceHashing::new(vec![(0, 4096)], 8000, &want).is_none(),
             "short"
         );
-        assert!(PieceHashing::new(&[(0, u64::MAX), (u64::MAX, 2)], 1, &want).is_none());
+        assert!(PieceHashing::new(vec![(0, u64::MAX), (u64::MAX, 2)], 1, &want).is_none());
     }
 
     /// Pieces reported in any order, the record shorter than the pieces' aligned end: the
@@ -156,7 +156,7 @@ mod tests {
         let blake = RecordHash::Blake3(*blake3::hash(&buf[..payload]).as_bytes());
         for order in [[0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 1, 0]] {
             for w in [want, blake] {
-                let h = PieceHashing::new(&spans, payload, &w).unwrap();
+                let h = PieceHashing::new(spans.to_vec(), payload, &w).unwrap();
                 for (k, &i) in order.iter().enumerate() {
                     // SAFETY: `buf` holds every span and outlives the calls; nothing writes it.
                     unsafe { h.piece_landed(buf.as_ptr(), i) };
@@ -170,12 +170,12 @@ mod tests {
         }
         let mut bad = buf.clone();
         bad[5000] ^= 1;
-        let h = PieceHashing::new(&spans, payload, &want).unwrap();
+        let h = PieceHashing::new(spans.to_vec(), payload, &want).unwrap();
         // SAFETY: as above, for `bad`.
         assert!(!unsafe { h.matches(bad.as_ptr(), &want) });
         let mut past = buf.clone();
         past[payload + 1] ^= 1;
-        let h = PieceHashing::new(&spans, payload, &want).unwrap();
+        let h = PieceHashing::new(spans.to_vec(), payload, &want).unwrap();
         // SAFETY: as above, for `past`.
         let matched = unsafe { h.matches(past.as_ptr(), &want) };
         assert!(matched, "bytes past the record do not count");

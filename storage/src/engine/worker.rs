@@ -73,9 +73,22 @@ pub(crate) fn worker(
             };
             timeline::record(kind, started, Instant::now(), rd as u64, p.len);
         }
-        match read {
-            Ok(()) => {
-                slot.served_by.store(rd, Ordering::Relaxed);
+        // The drive that served the piece: this one, or (replicate) another after an error.
+        let served = match read {
+            Ok(()) => Ok(rd),
+            Err(e) => {
+                drive.mark_failed();
+                // Every drive of a replicated layout holds the same bytes at the same offset.
+                if shared.replicated() && matches!(req.target, Target::Record(_)) {
+                    read_other_replica(&shared, rd, dst, p.file_offset, e)
+                } else {
+                    Err(e)
+                }
+            }
+        };
+        match served {
+            Ok(o) => {
+                slot.served_by.store(o, Ordering::Relaxed);
                 if let Some(h) = req
                     .hashing
                     .as_ref()
@@ -83,33 +96,11 @@ pub(crate) fn worker(
                 {
                     // SAFETY: `req.ptr` is the request's buffer, sized for every piece and
                     // owned by `req` until its completion; this piece was written just above
-                    // and no one writes it again.
+                    // (from this drive or another copy) and no one writes it again.
                     unsafe { h.piece_landed(req.ptr.0, piece) };
                 }
             }
-            Err(e) => {
-                drive.mark_failed();
-                // Every drive of a replicated layout holds the same bytes at the same offset.
-                let recovered = if shared.replicated() && matches!(req.target, Target::Record(_)) {
-                    read_other_replica(&shared, rd, dst, p.file_offset, e)
-                } else {
-                    Err(e)
-                };
-                match recovered {
-                    Ok(o) => {
-                        slot.served_by.store(o, Ordering::Relaxed);
-                        if let Some(h) = req
-                            .hashing
-                            .as_ref()
-                            .filter(|_| !req.cancelled.load(Ordering::Relaxed))
-                        {
-                            // SAFETY: as above; the other replica's copy was just written.
-                            unsafe { h.piece_landed(req.ptr.0, piece) };
-                        }
-                    }
-                    Err(e) => req.set_error(e),
-                }
-            }
+            Err(e) => req.set_error(e),
         }
         finish_piece(&shared, &req, piece);
     }
