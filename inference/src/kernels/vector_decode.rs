@@ -162,7 +162,7 @@ pub fn axpy_rows_decoded(p: &PackedRows<'_>, coef: &[f32], stride: usize, out: &
         Level::Avx2 => unsafe { x86::axpy_avx2(p, coef, stride, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => unsafe { x86::axpy_avx512(p, coef, stride, out) },
+        Level::Avx512 => unsafe { avx512::axpy_avx512(p, coef, stride, out) },
     }
 }
 
@@ -193,7 +193,7 @@ pub fn dots_rows_decoded(
         Level::Avx2 => unsafe { x86::dots_avx2(p, xs, n, out, out_stride) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => unsafe { x86::dots_avx512(p, xs, n, out, out_stride) },
+        Level::Avx512 => unsafe { avx512::dots_avx512(p, xs, n, out, out_stride) },
     }
 }
 
@@ -274,21 +274,25 @@ fn dots_body(p: &PackedRows<'_>, xs: &[f32], n: usize, out: &mut [f32], out_stri
 
 const _: () = assert!(LANES.is_multiple_of(CHUNK));
 
+/// Whether the SIMD bodies decode every chunk of these rows in registers: whole 32-column
+/// chunks, each under one scale.
+#[cfg(target_arch = "x86_64")]
+fn whole_chunks(p: &PackedRows<'_>) -> bool {
+    let group_ok = match p.kind {
+        Kind::Q8 { group } | Kind::Int4 { group } => group.is_multiple_of(CHUNK),
+        Kind::Bf16 => true,
+    };
+    group_ok && p.cols.is_multiple_of(CHUNK)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Kind, PackedRows, CHUNK, LANES};
-
-    /// Whether [`chunk32`] decodes every chunk of these rows: whole 32-column chunks, each
-    /// under one scale.
-    fn whole_chunks(p: &PackedRows<'_>) -> bool {
-        let group_ok = match p.kind {
-            Kind::Q8 { group } | Kind::Int4 { group } => group.is_multiple_of(CHUNK),
-            Kind::Bf16 => true,
-        };
-        group_ok && p.cols.is_multiple_of(CHUNK)
-    }
+    use super::{whole_chunks, Kind, PackedRows, CHUNK, LANES};
 
     /// Columns `c0..c0 + 32` of row `r` as four vectors in column order: `code as f32 *
     /// scale`, one rounding (`mul`), as the reference decoder. `c0 + 32 <= cols`, one scale.
@@ -393,11 +397,6 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) fn axpy_avx512(p: &PackedRows<'_>, coef: &[f32], stride: usize, out: &mut [f32]) {
-        super::axpy_body(p, coef, stride, out)
-    }
-
     /// `super::dots_body` in AVX2 registers for rows of whole 64-column blocks: `dot`'s 64
     /// lanes as eight vectors, the product `w * x`, then its fixed reduction.
     #[target_feature(enable = "avx2")]
@@ -431,17 +430,6 @@ mod x86 {
             }
             *o = super::reduce64(&mut lanes);
         }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) fn dots_avx512(
-        p: &PackedRows<'_>,
-        xs: &[f32],
-        n: usize,
-        out: &mut [f32],
-        out_stride: usize,
-    ) {
-        super::dots_body(p, xs, n, out, out_stride)
     }
 }
 
@@ -548,6 +536,15 @@ mod tests {
                         "portable axpy {format:?} {cols} {n}"
                     );
 
+                    // The AVX2 body on a machine whose widest level is AVX-512.
+                    #[cfg(target_arch = "x86_64")]
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        let mut got = start.clone();
+                        // SAFETY: AVX2 detected.
+                        unsafe { x86::axpy_avx2(&p, &coef, stride, &mut got) };
+                        assert_eq!(bits(&got), bits(&want), "avx2 axpy {format:?} {cols} {n}");
+                    }
+
                     let xs: Vec<f32> = (0..n * cols).map(|_| rng(&mut seed)).collect();
                     let out_stride = rows + 1;
                     let mut want = vec![0f32; n * out_stride];
@@ -566,6 +563,13 @@ mod tests {
                         bits(&want),
                         "portable dots {format:?} {cols} {n}"
                     );
+                    #[cfg(target_arch = "x86_64")]
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        let mut got = vec![0f32; n * out_stride];
+                        // SAFETY: AVX2 detected.
+                        unsafe { x86::dots_avx2(&p, &xs, n, &mut got, out_stride) };
+                        assert_eq!(bits(&got), bits(&want), "avx2 dots {format:?} {cols} {n}");
+                    }
                 }
             }
         }
