@@ -119,7 +119,12 @@ fn main() {
     let act = vec![0.01f32; 8 * n * e];
     let mut out = vec![0f32; 8 * n * h];
     let mut decode = Vec::new();
-    for _ in 0..7 {
+    // STREAM_RATE_SWEEPS=N: more sweeps of the expert passes, for a profiler.
+    let sweeps: usize = std::env::var("STREAM_RATE_SWEEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(7);
+    for _ in 0..sweeps {
         let t = Instant::now();
         for g in (0..experts).step_by(8) {
             let mut jobs: Vec<MatmulJob<'_, '_>> = gu[g..g + 8]
