@@ -618,10 +618,17 @@ impl Codes for Int4Codes {
     }
 }
 
-/// MXFP4 doubled codes plus 12 (0..=24), the `vpshufb` table.
-fn mxfp4_table() -> [i8; 16] {
-    MXFP4_X2.map(|v| v + 12)
-}
+/// MXFP4 doubled codes plus 12 (0..=24), the `vpshufb` table: a constant, so that the
+/// decode loads it rather than building it per call (a call from inside the tile, not inlined).
+const MXFP4_LUT: [i8; 16] = {
+    let mut t = [0i8; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = MXFP4_X2[i] + 12;
+        i += 1;
+    }
+    t
+};
 
 struct Mxfp4Codes;
 impl Codes for Mxfp4Codes {
@@ -634,9 +641,12 @@ impl Codes for Mxfp4Codes {
     unsafe fn group(p: *const u8, g: usize) -> [__m512i; 8] {
         // SAFETY: the table is 16 bytes; the caller guarantees blocks g..g+16 are in the row.
         unsafe {
-            let lut =
-                _mm512_broadcast_i32x4(_mm_loadu_si128(mxfp4_table().as_ptr() as *const __m128i));
-            nibbles_group(p.add(g * 16)).map(|v| _mm512_shuffle_epi8(lut, v))
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(MXFP4_LUT.as_ptr() as *const __m128i));
+            let mut v = nibbles_group(p.add(g * 16));
+            for c in &mut v {
+                *c = _mm512_shuffle_epi8(lut, *c);
+            }
+            v
         }
     }
     #[inline]
@@ -644,8 +654,7 @@ impl Codes for Mxfp4Codes {
     unsafe fn quad(p: *const u8, b: usize) -> (__m512i, __m512i) {
         // SAFETY: the table is 16 bytes; the caller guarantees blocks b..b+4 are in the row.
         unsafe {
-            let lut =
-                _mm512_broadcast_i32x4(_mm_loadu_si128(mxfp4_table().as_ptr() as *const __m128i));
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(MXFP4_LUT.as_ptr() as *const __m128i));
             let (lo, hi) = Int4Codes::quad(p, b);
             (_mm512_shuffle_epi8(lut, lo), _mm512_shuffle_epi8(lut, hi))
         }
@@ -655,8 +664,7 @@ impl Codes for Mxfp4Codes {
     unsafe fn two(p: *const u8, b: usize) -> __m512i {
         // SAFETY: the table is 16 bytes; the caller guarantees blocks b, b+1 are in the row.
         unsafe {
-            let lut =
-                _mm512_broadcast_i32x4(_mm_loadu_si128(mxfp4_table().as_ptr() as *const __m128i));
+            let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(MXFP4_LUT.as_ptr() as *const __m128i));
             _mm512_shuffle_epi8(lut, Int4Codes::two(p, b))
         }
     }
@@ -665,9 +673,8 @@ impl Codes for Mxfp4Codes {
     unsafe fn one(p: *const u8, b: usize) -> __m256i {
         // SAFETY: as above for block b.
         unsafe {
-            let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(
-                mxfp4_table().as_ptr() as *const __m128i
-            ));
+            let lut =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(MXFP4_LUT.as_ptr() as *const __m128i));
             _mm256_shuffle_epi8(lut, Int4Codes::one(p, b))
         }
     }
@@ -956,6 +963,10 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
 ) {
     let p: [*const u8; R] = std::array::from_fn(|r| rows[r].as_ptr());
     let blocks = cols / BLOCK;
+    // Inside the loops, arrays of registers are filled by plain loops, not `from_fn` or
+    // `map`: those closures were left out of line for some code and scale types (MXFP4's with
+    // E8M0 scales: a call per group, the codes passed through memory), halving the MXFP4
+    // matrix products (benches/results/isa_sweep_session28_zen4.txt).
     // Prefetch the same position `R` rows on (the next tile's rows, when rows are consecutive;
     // a hint only, so past the matrix it is harmless): the hardware prefetcher does not run
     // far enough ahead of `R` interleaved streams (at least `MIN_PREFETCH_AHEAD`). Scales
@@ -976,9 +987,10 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
             // SAFETY: blocks `g..g + n` exist (`n == 16` or the masked tail): 16 (or `n`)
             // scales of each row, `d` / `dsums` `[t * blocks + g ..][..n]`, `t < N`.
             unsafe {
-                let dv: [(__m512, __m512); N] = std::array::from_fn(|t| {
+                let mut dv = [(_mm512_setzero_ps(), _mm512_setzero_ps()); N];
+                for (t, dv) in dv.iter_mut().enumerate() {
                     let o = t * blocks + g;
-                    if n == 16 {
+                    *dv = if n == 16 {
                         (
                             _mm512_loadu_ps(d.as_ptr().add(o)),
                             _mm512_loadu_ps(dsums.as_ptr().add(o)),
@@ -988,8 +1000,8 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
                             _mm512_maskz_loadu_ps(lanes(n), d.as_ptr().add(o)),
                             _mm512_maskz_loadu_ps(lanes(n), dsums.as_ptr().add(o)),
                         )
-                    }
-                });
+                    };
+                }
                 for r in 0..R {
                     _mm_prefetch::<_MM_HINT_T1>(scales.addr(r, g + R * blocks));
                     let w = if n == 16 {
@@ -1012,22 +1024,16 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
             // SAFETY: `b + 4 <= blocks`: the decodes read blocks b..b+4 of each row, the input
             // loads `[t*cols + 32b ..][..128]` of each plane, `t < N`.
             unsafe {
-                let xs: [[__m512i; 4]; N] = std::array::from_fn(|t| {
+                let mut xs = [[_mm512_setzero_si512(); 4]; N];
+                for (t, x) in xs.iter_mut().enumerate() {
                     let o = t * cols + b * BLOCK;
-                    let lo = |k: usize| {
-                        if LO {
-                            _mm512_loadu_si512(lp.add(o + k) as *const __m512i)
-                        } else {
-                            _mm512_setzero_si512()
-                        }
-                    };
-                    [
-                        _mm512_loadu_si512(hp.add(o) as *const __m512i),
-                        _mm512_loadu_si512(hp.add(o + 64) as *const __m512i),
-                        lo(0),
-                        lo(64),
-                    ]
-                });
+                    x[0] = _mm512_loadu_si512(hp.add(o) as *const __m512i);
+                    x[1] = _mm512_loadu_si512(hp.add(o + 64) as *const __m512i);
+                    if LO {
+                        x[2] = _mm512_loadu_si512(lp.add(o) as *const __m512i);
+                        x[3] = _mm512_loadu_si512(lp.add(o + 64) as *const __m512i);
+                    }
+                }
                 for r in 0..R {
                     for line in (0..4 * C::BLOCK_BYTES).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T1>(
@@ -1064,17 +1070,14 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
             // SAFETY: `b + 2 <= blocks`: blocks b, b+1 of each row, `[t*cols + 32b ..][..64]`
             // of each plane, `t < N`.
             unsafe {
-                let xs: [[__m512i; 2]; N] = std::array::from_fn(|t| {
+                let mut xs = [[_mm512_setzero_si512(); 2]; N];
+                for (t, x) in xs.iter_mut().enumerate() {
                     let o = t * cols + b * BLOCK;
-                    [
-                        _mm512_loadu_si512(hp.add(o) as *const __m512i),
-                        if LO {
-                            _mm512_loadu_si512(lp.add(o) as *const __m512i)
-                        } else {
-                            _mm512_setzero_si512()
-                        },
-                    ]
-                });
+                    x[0] = _mm512_loadu_si512(hp.add(o) as *const __m512i);
+                    if LO {
+                        x[1] = _mm512_loadu_si512(lp.add(o) as *const __m512i);
+                    }
+                }
                 for r in 0..R {
                     let u = C::two(p[r], b);
                     for t in 0..N {
@@ -1104,9 +1107,10 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
             // `[t * blocks + g ..][..16]`, the decode reads blocks g..g+16 of each row, the
             // input loads `[t*cols + 32g ..][..512]` of each plane, `t < N`.
             unsafe {
-                let dp: [__m512; N] = std::array::from_fn(|t| {
-                    _mm512_permutexvar_ps(sigma, _mm512_loadu_ps(d.as_ptr().add(t * blocks + g)))
-                });
+                let mut dp = [_mm512_setzero_ps(); N];
+                for (t, dp) in dp.iter_mut().enumerate() {
+                    *dp = _mm512_permutexvar_ps(sigma, _mm512_loadu_ps(d.as_ptr().add(t * blocks + g)));
+                }
                 for r in 0..R {
                     _mm_prefetch::<_MM_HINT_T1>(scales.addr(r, g + R * blocks));
                     for line in (0..16 * C::BLOCK_BYTES).step_by(64) {
@@ -1115,24 +1119,27 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
                         );
                     }
                 }
-                let wp: [__m512; R] = std::array::from_fn(|r| {
+                let mut wp = [_mm512_setzero_ps(); R];
+                for (r, wp) in wp.iter_mut().enumerate() {
                     let w = scales.load16(r, g);
                     for t in 0..N {
                         let ds = _mm512_loadu_ps(dsums.as_ptr().add(t * blocks + g));
                         cacc[r][t] = _mm512_fmadd_ps(w, ds, cacc[r][t]);
                     }
-                    _mm512_permutexvar_ps(sigma, w)
-                });
+                    *wp = _mm512_permutexvar_ps(sigma, w);
+                }
                 // `256 * hi + lo` of each lane: the block's exact integer sum (without a low
                 // plane `256 * hi`, the same value), so the order of the products is free.
-                let whole = |sh: __m512i, sl: __m512i| {
-                    let sh = _mm512_slli_epi32(sh, 8);
-                    if LO {
-                        _mm512_add_epi32(sh, sl)
-                    } else {
-                        sh
-                    }
-                };
+                macro_rules! whole {
+                    ($sh:expr, $sl:expr) => {{
+                        let sh = _mm512_slli_epi32($sh, 8);
+                        if LO {
+                            _mm512_add_epi32(sh, $sl)
+                        } else {
+                            sh
+                        }
+                    }};
+                }
                 let zero = _mm512_setzero_si512();
                 if R == 1 || N == 1 {
                     // Row by row (one input, or one row): one row's eight code vectors live.
@@ -1152,17 +1159,19 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
                                     sl[v % 2] = <$dot>::dp::<C>(sl[v % 2], c, xl);
                                 }
                             }
-                            let s = whole(
-                                _mm512_add_epi32(sh[0], sh[1]),
-                                _mm512_add_epi32(sl[0], sl[1]),
-                            );
+                            let (h, l) =
+                                (_mm512_add_epi32(sh[0], sh[1]), _mm512_add_epi32(sl[0], sl[1]));
+                            let s = whole!(h, l);
                             let wd = _mm512_mul_ps(wp[r], dp[t]);
                             acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), wd, acc[r][t]);
                         }
                     }
                 } else {
                     // Input by input, each input vector loaded once for all rows.
-                    let codes: [[__m512i; 8]; R] = std::array::from_fn(|r| C::group(p[r], g));
+                    let mut codes = [[_mm512_setzero_si512(); 8]; R];
+                    for (c, &pr) in codes.iter_mut().zip(&p) {
+                        *c = C::group(pr, g);
+                    }
                     for t in 0..N {
                         let o = t * cols + g * BLOCK;
                         let (mut sh, mut sl) = ([zero; R], [zero; R]);
@@ -1179,7 +1188,7 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
                             }
                         }
                         for r in 0..R {
-                            let s = whole(sh[r], sl[r]);
+                            let s = whole!(sh[r], sl[r]);
                             let wd = _mm512_mul_ps(wp[r], dp[t]);
                             acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), wd, acc[r][t]);
                         }

@@ -59,12 +59,16 @@ unsafe fn tile<const R: usize, const N: usize>(
         // `2c .. 2c + 64` of a `2 * cols`-byte row and the input loads `x[t*cols + c ..][..32]`
         // with `t < N`, inside `x`; the prefetch is a hint.
         unsafe {
-            let w: [__m512bh; R] = std::array::from_fn(|r| {
-                let p = rows[r].as_ptr().add(2 * c);
+            // Filled in a loop, not `from_fn`: a closure there stayed out of line.
+            let mut w = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); R];
+            for (w, row) in w.iter_mut().zip(&rows) {
+                let p = row.as_ptr().add(2 * c);
                 _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(ahead) as *const i8);
                 // The same 512 bits: 32 BF16 weights in stored order.
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const __m512i))
-            });
+                *w = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    p as *const __m512i,
+                ));
+            }
             for t in 0..N {
                 let xr = xp.add(t * cols + c);
                 // Lower 16 BF16 lanes from the second operand: inputs c..c+16, then c+16..c+32.
