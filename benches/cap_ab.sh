@@ -2,14 +2,16 @@
 # A/B runs of decode at a 40% memory cap on one paced emulated drive (issue 14's overlap), for
 # comparing settings of one binary: each variant is a shell snippet evaluated before the run
 # (it may set UNIT, stripe unit of the layout; TPD, --threads-per-drive; HC, --hash-check;
-# ARGS, extra generate arguments; ENVS, environment for deltafin), variants alternated round
+# ARGS, extra generate arguments; ENVS, environment for deltafin; BIN, another deltafin binary
+# reading the same layout), variants alternated round
 # by round. One line per run: decode ms per token, I/O ms per token at the drive's rate
 # (landed records / all the drive's bytes) and the two overlap ratios, as
 # benches/vs_llamacpp_cap.sh counts them (compute time is far below I/O time here); then the
 # medians per variant.
 #   sudo BENCH_ROOT=/dev/shm/deltafin-bench benches/cap_ab.sh [--format int4] [--rounds 6]
 #        [--decode 48] [--rate 1073741824] [--trace DIR] -- 'VARIANT' ['VARIANT' ...]
-# e.g. benches/cap_ab.sh -- 'UNIT=512K' 'UNIT=128K' 'ARGS=--no-prefetch' 'TPD=2'
+# e.g. benches/cap_ab.sh -- 'UNIT=512K' 'UNIT=128K' 'ARGS=--no-prefetch' 'TPD=2' 'BIN=/tmp/old'
+
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(dirname "$here")
 FORMAT=int4; ROUNDS=6; DECODE=48; RATE=1073741824; TRACE_DIR=""; PCT=40
@@ -50,7 +52,7 @@ laid=" "
 raw=$(mktemp)
 for ((r = 0; r < ROUNDS; r++)); do
     for i in "${!variants[@]}"; do
-        UNIT=512K; TPD=4; HC=all; ARGS=""; ENVS=""
+        UNIT=512K; TPD=4; HC=all; ARGS=""; ENVS=""; BIN=$bin
         eval "${variants[$i]}"
         if [[ "$laid" != *" $UNIT "* ]]; then
             "$bin" layout --model "$model" --drive "$drive" --name "u$UNIT" --stripe-unit "$UNIT" --force -q >&2
@@ -59,7 +61,7 @@ for ((r = 0; r < ROUNDS; r++)); do
         trace=(); [ -z "$TRACE_DIR" ] || trace=(--trace "$TRACE_DIR/v${i}_r$r.jsonl")
         sync; echo 3 > /proc/sys/vm/drop_caches
         # shellcheck disable=SC2086 # ENVS and ARGS are word lists
-        out=$(bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" env $ENVS "$bin" generate \
+        out=$(bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" env $ENVS "$BIN" generate \
             --model "$drive/u$UNIT" --prompt-ids 5 -n "$DECODE" --ignore-eos --ram-budget "$cap" \
             --threads-per-drive "$TPD" --hash-check "$HC" --pace-drives "$RATE" $ARGS "${trace[@]}" \
             --json -q 2>/dev/null | tail -1)
