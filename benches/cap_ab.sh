@@ -3,8 +3,8 @@
 # comparing settings of one binary: each variant is a shell snippet evaluated before the run
 # (it may set UNIT, stripe unit of the layout; TPD, --threads-per-drive; HC, --hash-check;
 # ARGS, extra generate arguments; ENVS, environment for deltafin; BIN, another deltafin binary
-# reading the same layout), variants alternated round
-# by round. One line per run: decode ms per token, I/O ms per token at the drive's rate
+# reading the same layout), variants alternated round by round. One line per run: decode ms
+# per token, I/O ms per token at the drive's rate
 # (landed records / all the drive's bytes) and the two overlap ratios, as
 # benches/vs_llamacpp_cap.sh counts them (compute time is far below I/O time here); then the
 # medians per variant.
@@ -59,7 +59,7 @@ for ((r = 0; r < ROUNDS; r++)); do
             laid="$laid$UNIT "
         fi
         trace=(); [ -z "$TRACE_DIR" ] || trace=(--trace "$TRACE_DIR/v${i}_r$r.jsonl")
-        sync; echo 3 > /proc/sys/vm/drop_caches
+        drop_caches
         # shellcheck disable=SC2086 # ENVS and ARGS are word lists
         out=$(bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" env $ENVS "$BIN" generate \
             --model "$drive/u$UNIT" --prompt-ids 5 -n "$DECODE" --ignore-eos --ram-budget "$cap" \

@@ -2,7 +2,7 @@
 # Issue 14: every kernel near memory bandwidth on each instruction set deltafin dispatches to,
 # measured on this machine's hardware by capping the dispatch (DELTAFIN_KERNELS): AVX-512 with
 # VNNI (the default where present), AVX-512 without VNNI (avx512bw: the kind of machine issue 14
-# was filed on), AVX2, and the scalar reference as a floor.
+# was filed on) and AVX2 (`--levels ...,scalar` adds the portable reference as a floor).
 # Per format and level:
 #   examples/stream_rate FORMAT MIB N : GB/s of expert weights streamed from DRAM (MIB of
 #       expert-shaped matrices, N inputs per expert), next to a plain read of the same bytes
