@@ -121,6 +121,19 @@ impl Isa {
     pub(crate) fn has_avx512(self) -> bool {
         matches!(self, Isa::Avx512Bw | Isa::Avx512)
     }
+
+    /// The kernels that run `kind` here. AVX-512 without VNNI hands Q8 to the AVX2 kernels:
+    /// they widen the codes to 16 bits once and meet the 16-bit inputs in `vpmaddwd`, where
+    /// the AVX-512 tile emulates `vpdpbusd` twice per code vector (two input planes), about
+    /// three times the operations. On Zen 4 capped to AVX-512 BW the AVX2 Q8 kernels ran 1.4x
+    /// as fast from two inputs up and no slower at one (benches/results/isa_sweep_session29*).
+    /// The AVX-512 tiles keep INT4 and MXFP4, whose small codes sum in i16 there.
+    pub(crate) fn for_format(self, kind: WeightFormat) -> Isa {
+        match (self, kind) {
+            (Isa::Avx512Bw, WeightFormat::Q8 { .. }) => Isa::Avx2,
+            _ => self,
+        }
+    }
 }
 
 /// Precision of the activations inside the kernels.

@@ -37,7 +37,8 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
                 k.isa
             } else {
                 Isa::Scalar
-            };
+            }
+            .for_format(j.m.format());
             (isa, k.act(j.m.format()))
         })
         .collect();

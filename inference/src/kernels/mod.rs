@@ -43,7 +43,8 @@
 //! FP8 formats and for [`Act::I16`]; for the rest it runs the AVX2 kernels (an AVX-512 machine
 //! has AVX2). [`Isa::Avx512Bw`] (AVX-512 without VNNI: Skylake-SP and the like) runs the same
 //! kernels, the 16-bit tiles compiled a second time without VNNI with `vpdpbusd`'s integers
-//! made of `vpmaddubsw` / `vpmaddwd` (bit-identical outputs).
+//! made of `vpmaddubsw` / `vpmaddwd` (bit-identical outputs), except Q8's matrix products,
+//! which take the AVX2 kernels there (`Isa::for_format`: a third of the operations).
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;

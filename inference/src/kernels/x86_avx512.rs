@@ -882,6 +882,9 @@ trait Dpbusd {
     /// # Safety
     /// As for [`Dpbusd::dp`], plus AVX-512 VL.
     unsafe fn dp256<C: Codes>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+    /// Whether `dp` is emulated (AVX-512 BW): the tiles' 4-bit groups then sum four
+    /// `vpmaddubsw` in i16 before one `vpmaddwd` ([`Bw::dp4_small`]), the same integers.
+    const EMULATED: bool;
 }
 
 struct Vnni;
@@ -896,11 +899,14 @@ impl Dpbusd for Vnni {
     unsafe fn dp256<C: Codes>(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, a, b)
     }
+    const EMULATED: bool = false;
 }
 
 /// Without VNNI: codes below 128 (the 4-bit formats) meet the inputs in `vpmaddubsw`, whose
 /// 16-bit pair sums cannot saturate then (at most 2 * 127 * 128), and `vpmaddwd` by ones;
-/// Q8's unsigned codes (to 255) are widened to 16 bits first, even and odd bytes apart.
+/// Q8's unsigned codes (to 255) are widened to 16 bits first, even and odd bytes apart (the
+/// matrix products do not come here for Q8: `Isa::for_format` gives them the AVX2
+/// kernels).
 struct Bw;
 impl Dpbusd for Bw {
     #[inline]
@@ -932,6 +938,27 @@ impl Dpbusd for Bw {
             _mm256_add_epi32(_mm256_madd_epi16(ae, be), _mm256_madd_epi16(ao, bo))
         };
         _mm256_add_epi32(acc, p)
+    }
+    const EMULATED: bool = true;
+}
+
+impl Bw {
+    /// The 32-bit lane sums of four vectors of 4-bit codes (at most 24: MXFP4's doubled
+    /// codes plus 12) with inputs in -127..=127: the four `vpmaddubsw` pair sums add within
+    /// i16 (at most 4 * 2 * 24 * 128 = 24576) before one `vpmaddwd`, where four [`Bw::dp`]
+    /// take four.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn dp4_small(c: [__m512i; 4], b: [__m512i; 4]) -> __m512i {
+        let p01 = _mm512_add_epi16(
+            _mm512_maddubs_epi16(c[0], b[0]),
+            _mm512_maddubs_epi16(c[1], b[1]),
+        );
+        let p23 = _mm512_add_epi16(
+            _mm512_maddubs_epi16(c[2], b[2]),
+            _mm512_maddubs_epi16(c[3], b[3]),
+        );
+        _mm512_madd_epi16(_mm512_add_epi16(p01, p23), _mm512_set1_epi16(1))
     }
 }
 
@@ -1147,6 +1174,39 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
                         let codes = C::group(p[r], g);
                         for t in 0..N {
                             let o = t * cols + g * BLOCK;
+                            if <$dot>::EMULATED {
+                                assert!(2 * C::OFFSET <= 24, "4-bit codes only");
+                                // Four products a chain summed in i16 ([`Bw::dp4_small`]).
+                                // A macro, not a closure: closures here stay out of line.
+                                macro_rules! x {
+                                    ($pl:expr, $v0:expr) => {{
+                                        let mut v = [zero; 4];
+                                        for (k, v) in v.iter_mut().enumerate() {
+                                            let at = $pl.add(o + 64 * ($v0 + k));
+                                            *v = _mm512_loadu_si512(at as *const __m512i);
+                                        }
+                                        v
+                                    }};
+                                }
+                                let c0 = [codes[0], codes[1], codes[2], codes[3]];
+                                let c1 = [codes[4], codes[5], codes[6], codes[7]];
+                                let h = _mm512_add_epi32(
+                                    Bw::dp4_small(c0, x!(hp, 0)),
+                                    Bw::dp4_small(c1, x!(hp, 4)),
+                                );
+                                let l = if LO {
+                                    _mm512_add_epi32(
+                                        Bw::dp4_small(c0, x!(lp, 0)),
+                                        Bw::dp4_small(c1, x!(lp, 4)),
+                                    )
+                                } else {
+                                    zero
+                                };
+                                let s = whole!(h, l);
+                                let wd = _mm512_mul_ps(wp[r], dp[t]);
+                                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), wd, acc[r][t]);
+                                continue;
+                            }
                             // Two chains per plane: eight dependent `vpdpbusd` would bound
                             // the tile by their latency.
                             let (mut sh, mut sl) = ([zero; 2], [zero; 2]);
@@ -1175,15 +1235,45 @@ unsafe fn $name<C: Codes, S: ScaleSrc<R>, const R: usize, const N: usize, const 
                     for t in 0..N {
                         let o = t * cols + g * BLOCK;
                         let (mut sh, mut sl) = ([zero; R], [zero; R]);
-                        for v in 0..8 {
-                            let xh = _mm512_loadu_si512(hp.add(o + 64 * v) as *const __m512i);
-                            for r in 0..R {
-                                sh[r] = <$dot>::dp::<C>(sh[r], codes[r][v], xh);
-                            }
-                            if LO {
-                                let xl = _mm512_loadu_si512(lp.add(o + 64 * v) as *const __m512i);
+                        if <$dot>::EMULATED {
+                            assert!(2 * C::OFFSET <= 24, "4-bit codes only");
+                            // `vpmaddubsw` pair sums add within i16 four vectors at a time
+                            // (as in [`Bw::dp4_small`]), then one `vpmaddwd` by ones.
+                            let ones = _mm512_set1_epi16(1);
+                            for half in 0..2 {
+                                let (mut ph, mut pl) = ([zero; R], [zero; R]);
+                                for v in 4 * half..4 * half + 4 {
+                                    let xh = _mm512_loadu_si512(hp.add(o + 64 * v) as *const __m512i);
+                                    for r in 0..R {
+                                        let p = _mm512_maddubs_epi16(codes[r][v], xh);
+                                        ph[r] = _mm512_add_epi16(ph[r], p);
+                                    }
+                                    if LO {
+                                        let xl = _mm512_loadu_si512(lp.add(o + 64 * v) as *const __m512i);
+                                        for r in 0..R {
+                                            let p = _mm512_maddubs_epi16(codes[r][v], xl);
+                                            pl[r] = _mm512_add_epi16(pl[r], p);
+                                        }
+                                    }
+                                }
                                 for r in 0..R {
-                                    sl[r] = <$dot>::dp::<C>(sl[r], codes[r][v], xl);
+                                    sh[r] = _mm512_add_epi32(sh[r], _mm512_madd_epi16(ph[r], ones));
+                                    if LO {
+                                        sl[r] = _mm512_add_epi32(sl[r], _mm512_madd_epi16(pl[r], ones));
+                                    }
+                                }
+                            }
+                        } else {
+                            for v in 0..8 {
+                                let xh = _mm512_loadu_si512(hp.add(o + 64 * v) as *const __m512i);
+                                for r in 0..R {
+                                    sh[r] = <$dot>::dp::<C>(sh[r], codes[r][v], xh);
+                                }
+                                if LO {
+                                    let xl = _mm512_loadu_si512(lp.add(o + 64 * v) as *const __m512i);
+                                    for r in 0..R {
+                                        sl[r] = <$dot>::dp::<C>(sl[r], codes[r][v], xl);
+                                    }
                                 }
                             }
                         }
