@@ -99,3 +99,18 @@ late = sorted(e["end_ns"] - e["start_ns"] for e in ev if e["kind"] == "pace_slee
 if inner:
     woke = f"; woken after the deadline by {q(late, .1)}/{q(late, .5)}/{q(late, .9)} us" if late else ""
     print(f"  paced reads: the read itself p10/median/p90 {q(inner, .1)}/{q(inner, .5)}/{q(inner, .9)} us{woke}")
+    # The pacer's own timeline (paced_backend.rs): each read's slot starts when the drive is free
+    # (or when asked, if idle) and lasts its bytes at --rate. A read whose inner read (the
+    # emulated drive itself: a loop device) ends after its slot made the drive slower than
+    # --rate; "busy with late ends" is the slots' union with those ends, the time the emulated
+    # drive really took for the bytes it read.
+    free, slots, n_late = 0, [], 0
+    for e in sorted((e for e in ev if e["kind"] == "pace_inner"), key=lambda e: e["start_ns"]):
+        start = max(free, e["start_ns"])
+        free = start + e["a"] / a.rate * 1e9
+        if t0 <= e["start_ns"] < t1:
+            n_late += e["end_ns"] > free
+            slots.append((start, max(free, e["end_ns"])))
+    took = sum(e - s for s, e in union(slots))
+    print(f"  paced reads ending after their slot: {n_late} of {len(slots)}; drive busy with late ends "
+          f"{ms(took)} ms/token (decode / that: {round((t1 - t0) / took, 3)})")
