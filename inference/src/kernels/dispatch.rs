@@ -167,7 +167,7 @@ pub fn matmul_many_with(
     if n == 0 {
         return;
     }
-    let isa = if isa.available() { isa } else { Isa::Scalar }.for_format(kind);
+    let isa = isa.for_format(kind);
     let mut slot = Vec::new();
     let xin = prepare_inputs(isa, kind, cols, act, x, &mut slot);
     let block = task_rows(kind, cols, n);

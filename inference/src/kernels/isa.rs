@@ -122,7 +122,8 @@ impl Isa {
         matches!(self, Isa::Avx512Bw | Isa::Avx512)
     }
 
-    /// The kernels that run `kind` here. AVX-512 without VNNI hands Q8 to the AVX2 kernels:
+    /// The kernels that run `kind` on `self`: `self` where this machine has it, else the
+    /// portable ones; except that AVX-512 without VNNI hands Q8 to the AVX2 kernels:
     /// they widen the codes to 16 bits once and meet the 16-bit inputs in `vpmaddwd`, where
     /// the AVX-512 tile emulates `vpdpbusd` twice per code vector (two input planes), about
     /// three times the operations. On Zen 4 capped to AVX-512 BW the AVX2 Q8 kernels ran 1.4x
@@ -130,6 +131,7 @@ impl Isa {
     /// The AVX-512 tiles keep INT4 and MXFP4, whose small codes sum in i16 there.
     pub(crate) fn for_format(self, kind: WeightFormat) -> Isa {
         match (self, kind) {
+            _ if !self.available() => Isa::Scalar,
             (Isa::Avx512Bw, WeightFormat::Q8 { .. }) => Isa::Avx2,
             _ => self,
         }

@@ -33,13 +33,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
         .iter()
         .map(|j| {
             let k = j.m.kernels();
-            let isa = if k.isa.available() {
-                k.isa
-            } else {
-                Isa::Scalar
-            }
-            .for_format(j.m.format());
-            (isa, k.act(j.m.format()))
+            (k.isa.for_format(j.m.format()), k.act(j.m.format()))
         })
         .collect();
     // Prepare each distinct input once (same slice, format, width and kernels): job `i` reads
