@@ -71,7 +71,9 @@ x = json.loads(sys.stdin.read()); s = x['decode_s_per_token']
 io, iod = x['bytes_read_per_token'] / $RATE, x['drive_bytes_read_per_token'] / $RATE
 print(json.dumps({'variant': $i, 'round': $r, 'decode_ms': s * 1e3, 'io_ms': io * 1e3, 'io_drive_ms': iod * 1e3,
                   'overlap_ratio': s / io, 'overlap_ratio_drive_bytes': s / iod,
-                  'hit_rate': x.get('decode_expert_cache_hit_rate')}))" | tee -a "$raw"
+                  'hit_rate': x.get('decode_expert_cache_hit_rate'),
+                  'prefetch_precision': x.get('decode_prefetch_precision'), 'prefetch_recall': x.get('decode_prefetch_recall'),
+                  'repredictions': x.get('fetch', {}).get('repredictions')}))" | tee -a "$raw"
     done
 done
 python3 - "$raw" "${variants[@]}" <<'PY'

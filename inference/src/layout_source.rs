@@ -25,7 +25,8 @@ use crate::error::{InferenceError, Result};
 use crate::linear::bytes::WeightBytes;
 use crate::streamed_layer::{streamable_layers, StreamableLayers, StreamedLayerSource};
 use crate::weights::{
-    ExpertCallback, ExpertGroupCallback, ExpertPartRef, ExpertView, TensorRef, WeightSource,
+    ExpertCallback, ExpertGroupCallback, ExpertHints, ExpertPartRef, ExpertView, IdleCallback,
+    TensorRef, WeightSource,
 };
 
 /// How to open a layout.
@@ -373,7 +374,7 @@ impl WeightSource for LayoutSource {
         experts: &[usize],
         on_group: &mut ExpertGroupCallback<'_>,
     ) -> Result<()> {
-        self.with_expert_groups_idle(layer, experts, on_group, &mut || false)
+        self.with_expert_groups_idle(layer, experts, on_group, &mut |_| false)
     }
 
     fn with_expert_groups_idle(
@@ -381,7 +382,7 @@ impl WeightSource for LayoutSource {
         layer: usize,
         experts: &[usize],
         on_group: &mut ExpertGroupCallback<'_>,
-        on_idle: &mut dyn FnMut() -> bool,
+        on_idle: &mut IdleCallback<'_>,
     ) -> Result<()> {
         let first = experts.first().copied().unwrap_or(0);
         let mut batch = self.fetch(layer, experts)?;
@@ -399,7 +400,7 @@ impl WeightSource for LayoutSource {
                     let mut landed = None;
                     let waiting = std::time::Instant::now();
                     let mut worked = false;
-                    while landed.is_none() && on_idle() {
+                    while landed.is_none() && on_idle(&mut BatchHints(&mut batch)) {
                         worked = true;
                         landed = batch.next_ready();
                     }
@@ -478,5 +479,17 @@ impl WeightSource for LayoutSource {
                 &self.store,
             )) as Box<dyn WeightSource>
         }))
+    }
+}
+
+/// [`ExpertHints`] given to the forward's idle work while `batch` waits: through the batch,
+/// which holds the store.
+struct BatchHints<'b, 's>(&'b mut ExpertBatch<'s>);
+
+impl ExpertHints for BatchHints<'_, '_> {
+    fn repredict(&mut self, layer: usize, experts: &[usize]) {
+        if let Some((l, ids)) = store_ids(layer, experts) {
+            self.0.repredict(l, &ids);
+        }
     }
 }

@@ -27,6 +27,9 @@ pub enum Phase {
     Predict,
     /// The feed-forward, everything in it.
     Ffn,
+    /// While the layer waits for its last experts: the next layer's mixer and router on the
+    /// output so far, to predict that layer's experts ([`crate::model::lookahead`]).
+    Lookahead,
     Router,
     /// Kimi K3's latent down / up projections around the routed experts.
     Latent,
@@ -47,7 +50,7 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 19] = [
+    pub const ALL: [Phase; 20] = [
         Phase::Forward,
         Phase::Embed,
         Phase::Norm,
@@ -57,6 +60,7 @@ impl Phase {
         Phase::MixerOut,
         Phase::Predict,
         Phase::Ffn,
+        Phase::Lookahead,
         Phase::Router,
         Phase::Latent,
         Phase::ExpertsGateUp,
@@ -80,6 +84,7 @@ impl Phase {
             Phase::MixerOut => "mixer.out_proj",
             Phase::Predict => "predict_next_experts",
             Phase::Ffn => "ffn",
+            Phase::Lookahead => "ffn.lookahead",
             Phase::Router => "ffn.router",
             Phase::Latent => "ffn.latent_proj",
             Phase::ExpertsGateUp => "ffn.experts_gate_up",
@@ -105,7 +110,8 @@ impl Phase {
             | Phase::ExpertsDown
             | Phase::ExpertsCombine
             | Phase::Shared
-            | Phase::Dense => Some(Phase::Ffn),
+            | Phase::Dense
+            | Phase::Lookahead => Some(Phase::Ffn),
             _ => Some(Phase::Forward),
         }
     }
@@ -157,12 +163,31 @@ impl Drop for Span {
     }
 }
 
+thread_local! {
+    /// Inside [`quiet`] on this thread: spans started here time nothing.
+    static QUIET: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 /// Start timing `phase`.
 pub fn span(phase: Phase) -> Span {
     Span {
         phase,
-        start: enabled().then(Instant::now),
+        start: (enabled() && QUIET.with(|q| q.get() == 0)).then(Instant::now),
     }
+}
+
+/// Run `f` with the spans it starts on this thread not timed: work that runs inside one
+/// phase but would otherwise count in another's (the lookahead's mixer in the mixer's).
+pub fn quiet<T>(f: impl FnOnce() -> T) -> T {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            QUIET.with(|q| q.set(q.get().saturating_sub(1)));
+        }
+    }
+    QUIET.with(|q| q.set(q.get() + 1));
+    let _leave = Leave;
+    f()
 }
 
 /// Run `f` inside a span of `phase`.

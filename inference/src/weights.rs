@@ -90,6 +90,17 @@ pub type ExpertCallback<'c> = dyn FnMut(usize, &ExpertView<'_>) -> Result<()> + 
 /// Callback receiving a group of ready experts: `(expert_id, view)` each.
 pub type ExpertGroupCallback<'c> = dyn FnMut(&[(usize, ExpertView<'_>)]) -> Result<()> + 'c;
 
+/// Hints the forward pass gives a source while it waits for a layer's experts.
+pub trait ExpertHints {
+    /// `experts` of decoder layer `layer` (likeliest first) replace the earlier prediction
+    /// for that layer ([`WeightSource::prefetch`]).
+    fn repredict(&mut self, layer: usize, experts: &[usize]);
+}
+
+/// Idle work while waiting for experts (see [`WeightSource::with_expert_groups_idle`]):
+/// `false` when there is none left.
+pub type IdleCallback<'a> = dyn FnMut(&mut dyn ExpertHints) -> bool + 'a;
+
 /// Everything the forward pass needs from storage. Object safe; implementations must be
 /// shareable across threads.
 pub trait WeightSource: Send + Sync {
@@ -128,13 +139,15 @@ pub trait WeightSource: Send + Sync {
 
     /// [`WeightSource::with_expert_groups`], calling `on_idle` while it would otherwise wait
     /// for bytes, until it returns `false` (it does a little work a call: an expert landing
-    /// meanwhile is handed over at the next look). The default never waits, so never calls it.
+    /// meanwhile is handed over at the next look). `on_idle` may give the source a better
+    /// prediction of a later layer's experts through the [`ExpertHints`] it is handed. The
+    /// default never waits, so never calls it.
     fn with_expert_groups_idle(
         &self,
         layer: usize,
         experts: &[usize],
         on_group: &mut ExpertGroupCallback<'_>,
-        on_idle: &mut dyn FnMut() -> bool,
+        on_idle: &mut IdleCallback<'_>,
     ) -> Result<()> {
         let _ = on_idle;
         self.with_expert_groups(layer, experts, on_group)

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::fixture_dir;
-use deltafin_inference::weights::{ExpertView, WeightSource};
+use deltafin_inference::weights::{ExpertView, IdleCallback, WeightSource};
 use deltafin_inference::{
     generate, DirSource, GenerateConfig, LayoutSource, LayoutSourceOptions, Model,
 };
@@ -64,7 +64,7 @@ fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
     let naming = deltafin_inference::family::expert_naming(&ckpt.config).unwrap();
     let layer = expert_sources(&ckpt, &naming).unwrap()[0].layer as usize;
     let experts: Vec<usize> = (0..4).collect();
-    let bytes_of = |src: &LayoutSource, idle: &mut dyn FnMut() -> bool| {
+    let bytes_of = |src: &LayoutSource, idle: &mut IdleCallback<'_>| {
         let mut got: Vec<(usize, Vec<u8>)> = Vec::new();
         src.with_expert_groups_idle(
             layer,
@@ -82,9 +82,9 @@ fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
         got.sort_by_key(|g| g.0);
         got
     };
-    let want = bytes_of(&plain, &mut || false);
+    let want = bytes_of(&plain, &mut |_| false);
     let mut steps = 0usize;
-    let got = bytes_of(&slow, &mut || {
+    let got = bytes_of(&slow, &mut |_| {
         steps += 1;
         std::thread::sleep(std::time::Duration::from_micros(100));
         steps < 1_000_000
@@ -96,7 +96,7 @@ fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
     // the reads are waited for again).
     let fresh = LayoutSource::open(&layout, &paced(4e6)).unwrap();
     let mut calls = 0usize;
-    let _ = bytes_of(&fresh, &mut || {
+    let _ = bytes_of(&fresh, &mut |_| {
         calls += 1;
         false
     });
@@ -107,9 +107,11 @@ fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
     );
 }
 
-/// Generation over a paced drive, where every layer waits and warms the next one's weights,
-/// gives the greedy tokens of generation from the checkpoint in memory, on every synthetic
-/// architecture; each one's layers have matrices to warm.
+/// Generation over a paced drive, where every layer waits, warms the next one's weights and
+/// runs the next one's mixer on its partial output to predict that layer's experts
+/// (`model/lookahead.rs`, rolling the mixer's state back after), gives the greedy tokens of
+/// generation from the checkpoint in memory, on every synthetic architecture; each one's
+/// layers have matrices to warm.
 #[test]
 fn generation_that_warms_while_waiting_keeps_its_tokens() {
     use deltafin_inference::model::decoder::LayerSlot;
@@ -129,10 +131,13 @@ fn generation_that_warms_while_waiting_keeps_its_tokens() {
         let src = Arc::new(LayoutSource::open(&layout, &paced(64e6)).unwrap());
         let model = Model::load(src.clone()).unwrap();
         assert_eq!(run(&model), want, "{arch}");
+        let fetch = src.stats().fetch;
         assert!(
-            src.stats().fetch.stall > std::time::Duration::ZERO,
+            fetch.stall > std::time::Duration::ZERO,
             "{arch}: the drive was never waited for"
         );
+        // The next layer's mixer ran on partial outputs (its state rolled back each time).
+        assert!(fetch.repredictions > 0, "{arch}: no lookahead");
         for slot in model.layers() {
             if let LayerSlot::Resident(l) = slot {
                 assert!(

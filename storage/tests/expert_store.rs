@@ -208,3 +208,55 @@ fn next_layer_prefetch_waits_for_the_layer_before_then_serves_its_fetch() {
         assert_eq!(store.stats().fetch.prefetch_reads, 5);
     });
 }
+
+/// A better prediction for layer L+1 made while layer L's batch is being fetched replaces the
+/// first: before L's demand reads are submitted the first is never read; after, the new one's
+/// experts are read at once (those already in flight not twice) and every fetch still hands
+/// over the checkpoint's bytes, including experts of a replaced prediction.
+#[test]
+fn a_prediction_made_during_the_fetch_replaces_the_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (store, ckpt) = setup(tmp.path(), StoreOptions::default());
+    within_a_minute("repredict", move || {
+        let sources = expert_sources(&ckpt, &naming()).unwrap();
+        store.set_cap(64 << 20);
+        let first = MODEL_A.first_moe as u32;
+        fetch_and_check(&store, &ckpt, &sources, first, &[0]);
+        let before = store.stats().fetch.prefetch_reads;
+
+        // Replaced while still held back: only the new prediction is read.
+        store.prefetch(first + 1, &[2, 3, 4]);
+        let mut batch = store.fetch(first, &[5, 6]).unwrap();
+        batch.repredict(first + 1, &[3, 7]);
+        for landed in batch.by_ref() {
+            landed.unwrap();
+        }
+        drop(batch);
+        let s = store.stats().fetch;
+        assert_eq!(s.prefetch_reads - before, 2, "{s:?}");
+        assert_eq!(s.repredictions, 1);
+        fetch_and_check(&store, &ckpt, &sources, first + 1, &[3, 7]);
+        assert_eq!(store.stats().fetch.prefetch_hits, 2);
+
+        // Replaced after the first was issued: the new experts not yet in flight are read.
+        let before = store.stats().fetch.prefetch_reads;
+        store.prefetch(first + 1, &[8, 9]);
+        let mut batch = store.fetch(first, &[10, 11]).unwrap();
+        // The first expert handed over: the demand reads, then 8 and 9, are submitted.
+        batch.next().unwrap().unwrap();
+        batch.repredict(first + 1, &[9, 12]);
+        for landed in batch {
+            landed.unwrap();
+        }
+        let s = store.stats().fetch;
+        assert_eq!(
+            s.prefetch_reads - before,
+            3,
+            "8 and 9, then 12 (9 not twice): {s:?}"
+        );
+        fetch_and_check(&store, &ckpt, &sources, first + 1, &[9, 12]);
+        // The dropped guess (cancelled if no drive had started it) reads correctly later.
+        fetch_and_check(&store, &ckpt, &sources, first + 1, &[8]);
+        assert_eq!(store.stats().fetch.repredictions, 2);
+    });
+}

@@ -16,7 +16,17 @@ pub struct FfnContext<'a> {
     /// Work for the time spent waiting for experts' bytes (see
     /// [`WeightSource::with_expert_groups_idle`]); `&mut || false`: none.
     pub idle: &'a mut dyn FnMut() -> bool,
+    /// A later layer's experts predicted from this layer's output so far (see
+    /// [`SpeculateFn`]); `None`: no such prediction.
+    pub speculate: Option<&'a mut SpeculateFn<'a>>,
 }
+
+/// Given a feed-forward layer's partial output `[n, hidden]` (the routed experts computed so
+/// far plus the shared experts), the decoder layer whose experts to read ahead and those
+/// experts, likeliest first (`None`: no prediction). Called while the layer waits for its
+/// last experts' bytes; an error means the forward cannot go on (a state it touched could
+/// not be restored).
+pub type SpeculateFn<'a> = dyn FnMut(&[f32]) -> Result<Option<(usize, Vec<usize>)>> + 'a;
 
 impl std::fmt::Debug for FfnContext<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

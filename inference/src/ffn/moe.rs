@@ -4,6 +4,7 @@
 //! weighted outputs are summed per position in slot order (whatever order the experts
 //! arrived in), plus optional always-on shared experts.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -11,11 +12,11 @@ use crate::error::{InferenceError, Result};
 use crate::ffn::dense::DenseMlp;
 use crate::ffn::feed_forward::{FeedForward, FfnContext};
 pub use crate::ffn::routed_experts::{ExpertMatrixNames, GroupOutputs, RoutedExperts};
-use crate::ffn::router::Router;
+use crate::ffn::router::{Router, Routing};
 use crate::linear::owned::Linear;
 use crate::ops::{Activation, RmsNorm};
 use crate::spans::{span, timed, Phase};
-use crate::weights::ExpertView;
+use crate::weights::{ExpertHints, ExpertView};
 
 /// Weighted expert outputs summed per position above which the sum runs on the pool's threads
 /// (a 32-token prefill of a top-8 layer 1024 wide: 262144), below which one pass costs more
@@ -41,6 +42,63 @@ pub struct LatentMoe {
     pub down: Linear,
     pub up: Linear,
     pub norm: Option<RmsNorm>,
+}
+
+impl MoeFfn {
+    /// The routed experts' weighted sum `out` `[n, width]` made into the layer's output: up
+    /// from the latent space (Kimi K3), plus the shared experts' output `shared` `[n, hidden]`
+    /// where given.
+    fn finish(&self, mut out: Vec<f32>, n: usize, shared: Option<&[f32]>) -> Vec<f32> {
+        if let Some(l) = &self.latent {
+            let _latent_span = span(Phase::Latent);
+            if let Some(norm) = &l.norm {
+                norm.apply_inplace(&mut out);
+            }
+            out = l.up.forward(&out, n);
+        }
+        if let Some(s) = shared {
+            for (o, v) in out.iter_mut().zip(s) {
+                *o += v;
+            }
+        }
+        out
+    }
+}
+
+/// `out[t] = sum over slots in order of weight * expert output` `[n, hd]`, from each
+/// (position, slot)'s place in `outputs` (`source`: index into `outputs`, row). A slot whose
+/// expert has no output (yet, or no expert filled it because the position chose fewer than
+/// `top_k`) adds nothing.
+fn weighted_sum(
+    outputs: &[Option<Vec<f32>>],
+    source: &[(usize, usize)],
+    routes: &[Routing],
+    n: usize,
+    top_k: usize,
+    hd: usize,
+) -> Vec<f32> {
+    let mut out = vec![0f32; n * hd];
+    let combine = |t: usize, o: &mut [f32]| {
+        for slot in 0..top_k {
+            let (k, i) = source[t * top_k + slot];
+            let Some(ys) = outputs.get(k).and_then(Option::as_ref) else {
+                continue;
+            };
+            let w = routes[t].weights[slot];
+            for (o, &y) in o.iter_mut().zip(&ys[i * hd..(i + 1) * hd]) {
+                *o += w * y;
+            }
+        }
+    };
+    if n * top_k * hd >= PARALLEL_COMBINE_VALUES {
+        let mut rows: Vec<&mut [f32]> = out.chunks_mut(hd).collect();
+        crate::kernels::pool::pool().for_each_mut(&mut rows, |t, o| combine(t, o));
+    } else {
+        for (t, o) in out.chunks_mut(hd).enumerate() {
+            combine(t, o);
+        }
+    }
+    out
 }
 
 impl FeedForward for MoeFfn {
@@ -101,13 +159,47 @@ impl FeedForward for MoeFfn {
         // Each wanted expert's outputs `[m, hd]` (its positions in `by_expert` order), kept
         // until every expert has been computed and then summed per position in slot order,
         // so the result does not depend on the order or grouping in which experts arrive.
-        let mut outputs: Vec<Option<Vec<f32>>> = vec![None; wanted.len()];
+        // (RefCells: the idle work reads what the group callback has filled in so far.)
+        let outputs: RefCell<Vec<Option<Vec<f32>>>> = RefCell::new(vec![None; wanted.len()]);
+        // Where each (position, slot) output lives: (index into `outputs`, row).
+        let mut source = vec![(usize::MAX, 0usize); n * top_k];
+        for (k, &e) in wanted.iter().enumerate() {
+            for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
+                source[t * top_k + slot] = (k, i);
+            }
+        }
         let act: &dyn Activation = &*self.act;
         // The shared expert rides along with the first group (biases: computed on its own).
         let fuse_shared = self.shared_experts.as_ref().filter(|m| {
             !m.gate_proj.has_bias() && !m.up_proj.has_bias() && !m.down_proj.has_bias()
         });
-        let mut shared_out: Option<Vec<f32>> = None;
+        let shared_out: RefCell<Option<Vec<f32>>> = RefCell::new(None);
+        // While the drives read this layer's last experts, the forward may run the next
+        // layer's mixer on the output so far to predict that layer's experts better than it
+        // could before this layer's experts were computed: once, after the first group.
+        let idle = &mut *ctx.idle;
+        let mut speculate = ctx.speculate.as_deref_mut();
+        let mut speculated = false;
+        let mut speculate_error = None;
+        let mut on_idle = |hints: &mut dyn ExpertHints| -> bool {
+            if !speculated && outputs.borrow().iter().any(Option::is_some) {
+                speculated = true;
+                if let Some(spec) = speculate.as_deref_mut() {
+                    let partial = self.finish(
+                        weighted_sum(&outputs.borrow(), &source, &routes, n, top_k, hd),
+                        n,
+                        shared_out.borrow().as_deref(),
+                    );
+                    match spec(&partial) {
+                        Ok(Some((l, e))) => hints.repredict(l, &e),
+                        Ok(None) => {}
+                        Err(e) => speculate_error = Some(e),
+                    }
+                    return speculate_error.is_none();
+                }
+            }
+            idle()
+        };
         // Every position in order: the experts can read `x` itself (and share its prepared
         // form) instead of a gathered copy.
         ctx.source.with_expert_groups_idle(
@@ -126,7 +218,7 @@ impl FeedForward for MoeFfn {
                                 .into(),
                         });
                     };
-                    if outputs[k].is_some() || index.contains(&k) {
+                    if outputs.borrow()[k].is_some() || index.contains(&k) {
                         return Err(InferenceError::MissingExpert {
                             layer,
                             expert: e,
@@ -159,23 +251,28 @@ impl FeedForward for MoeFfn {
                         }
                     })
                     .collect();
-                let shared_job = match (fuse_shared, &shared_out) {
-                    (Some(mlp), None) => Some((mlp, full, n)),
+                let shared_job = match (fuse_shared, shared_out.borrow().is_some()) {
+                    (Some(mlp), false) => Some((mlp, full, n)),
                     _ => None,
                 };
                 let (ys, s) = self
                     .experts
                     .forward_group_with(group, layer, act, &inputs, shared_job)?;
                 if s.is_some() {
-                    shared_out = s;
+                    *shared_out.borrow_mut() = s;
                 }
+                let mut outputs = outputs.borrow_mut();
                 for (k, ys) in index.into_iter().zip(ys) {
                     outputs[k] = Some(ys);
                 }
                 Ok(())
             },
-            &mut *ctx.idle,
+            &mut on_idle,
         )?;
+        if let Some(e) = speculate_error {
+            return Err(e);
+        }
+        let outputs = outputs.into_inner();
         if let Some(k) = outputs.iter().position(|o| o.is_none()) {
             return Err(InferenceError::MissingExpert {
                 layer,
@@ -184,54 +281,16 @@ impl FeedForward for MoeFfn {
             });
         }
         let combine_span = span(Phase::ExpertsCombine);
-        // Where each (position, slot) output lives: (index into `outputs`, row).
-        let mut source = vec![(usize::MAX, 0usize); n * top_k];
-        for (k, &e) in wanted.iter().enumerate() {
-            for (i, &(t, slot)) in by_expert[e].iter().enumerate() {
-                source[t * top_k + slot] = (k, i);
-            }
-        }
-        let outputs: Vec<Vec<f32>> = outputs.into_iter().flatten().collect();
-        let mut out = vec![0f32; n * hd];
-        // out[t] = sum over slots in order of weight * expert output (a slot no expert
-        // filled, when positions chose fewer than `top_k`, adds nothing).
-        let combine = |t: usize, o: &mut [f32]| {
-            for slot in 0..top_k {
-                let (k, i) = source[t * top_k + slot];
-                if k == usize::MAX {
-                    continue;
-                }
-                let w = routes[t].weights[slot];
-                for (o, &y) in o.iter_mut().zip(&outputs[k][i * hd..(i + 1) * hd]) {
-                    *o += w * y;
-                }
-            }
-        };
-        if n * top_k * hd >= PARALLEL_COMBINE_VALUES {
-            let mut rows: Vec<&mut [f32]> = out.chunks_mut(hd).collect();
-            crate::kernels::pool::pool().for_each_mut(&mut rows, |t, o| combine(t, o));
-        } else {
-            for (t, o) in out.chunks_mut(hd).enumerate() {
-                combine(t, o);
-            }
-        }
+        let out = weighted_sum(&outputs, &source, &routes, n, top_k, hd);
         drop(combine_span);
-        if let Some(l) = &self.latent {
-            let _latent_span = span(Phase::Latent);
-            if let Some(norm) = &l.norm {
-                norm.apply_inplace(&mut out);
-            }
-            out = l.up.forward(&out, n);
-        }
-        if let Some(shared) = &self.shared_experts {
-            let s = match shared_out {
-                Some(s) => s,
-                None => timed(Phase::Shared, || shared.apply(full, n)),
-            };
-            for (o, v) in out.iter_mut().zip(&s) {
-                *o += v;
-            }
-        }
+        let shared = match shared_out.into_inner() {
+            Some(s) => Some(s),
+            None => self
+                .shared_experts
+                .as_ref()
+                .map(|shared| timed(Phase::Shared, || shared.apply(full, n))),
+        };
+        let out = self.finish(out, n, shared.as_deref());
         if let Some(trace) = ctx.routing.as_deref_mut() {
             trace.extend(routes);
         }

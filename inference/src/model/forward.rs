@@ -12,6 +12,7 @@ use crate::kernels::isa::KernelConfig;
 use crate::linear::owned::Linear;
 use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
 use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
+use crate::model::lookahead::{lookahead_enabled, predict_from_partial, LOOKAHEAD_MAX_POSITIONS};
 use crate::model::residual::ResidualMixer;
 use crate::model::routing_counts::RoutingCounts;
 use crate::model::session::{OutputStates, Session};
@@ -467,6 +468,25 @@ impl Model {
                 warm_budget(),
             );
             let mut warm_step = || warmer.step(WARM_STEP_BYTES);
+            // The next layer's experts predicted again from this layer's partial output while
+            // it waits for its reads (`lookahead`): only where the next layer routes experts
+            // from the drives and its weights are here.
+            let lookahead_next = resident(li + 1).filter(|_| {
+                self.source.wants_prefetch()
+                    && self.next_layer_prefetch()
+                    && lookahead_enabled()
+                    && n <= LOOKAHEAD_MAX_POSITIONS
+            });
+            let mut next_state = session.states.get_mut(li + 1);
+            let residual = &*self.residual;
+            let streams_now = &streams;
+            let mut lookahead = |partial: &[f32]| match (lookahead_next, next_state.as_deref_mut())
+            {
+                (Some(next), Some(state)) => {
+                    predict_from_partial(residual, li, next, streams_now, partial, n, &mut **state)
+                }
+                _ => Ok(None),
+            };
             let mut ctx = FfnContext {
                 source: &*self.source,
                 layer: layer.index,
@@ -476,6 +496,11 @@ impl Model {
                     None
                 },
                 idle: &mut warm_step,
+                speculate: if lookahead_next.is_some() {
+                    Some(&mut lookahead)
+                } else {
+                    None
+                },
             };
             let y = timed(Phase::Ffn, || layer.ffn.forward(&x, n, &mut ctx))?;
             timed(Phase::Residual, || {

@@ -4,12 +4,14 @@
 //! Files: [`forward`] ([`Model`] and its forward pass), [`decoder`] (a layer and the parts a
 //! model is built from), [`residual`] (how sub-block outputs are joined), [`session`]
 //! (per-sequence state), [`logits`] (what a forward returns), [`routing_counts`] (expert choices
-//! counted for `plan`).
+//! counted for `plan`), [`lookahead`] (the next layer's experts predicted from a layer's partial
+//! output while it waits for its reads).
 
 pub mod attn_res;
 pub mod decoder;
 pub mod forward;
 pub mod logits;
+pub mod lookahead;
 pub mod residual;
 pub mod routing_counts;
 pub mod session;

@@ -44,6 +44,15 @@ impl Ticket {
         }
     }
 
+    /// Whether a worker has taken up any piece of the request (its bytes are then read in
+    /// part or whole even if it is cancelled now).
+    pub fn started(&self) -> bool {
+        self.req
+            .pieces
+            .iter()
+            .any(|s| s.claimed.load(Ordering::Acquire))
+    }
+
     pub fn tag(&self) -> u64 {
         self.req.tag
     }

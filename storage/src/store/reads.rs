@@ -340,6 +340,43 @@ impl<'s> ExpertBatch<'s> {
         Ok(())
     }
 
+    /// A better prediction of the experts `layer` will ask for (likeliest first), made while
+    /// this batch waits for its reads (the forward can then run the next layer's attention on
+    /// the output so far). It replaces the earlier prediction: that one's prefetches the new
+    /// one drops are cancelled where no drive has started them, and the new one's gated ranks
+    /// are read (behind this batch's demand reads, as [`ExpertStore::prefetch`]'s are).
+    pub fn repredict(&mut self, layer: u32, experts: &[u32]) {
+        if layer == self.layer {
+            return;
+        }
+        let wanted = self.st.gate.predict(layer, experts);
+        self.st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
+        self.st.stats.repredictions += 1;
+        let dropped: Vec<ExpertKey> = self
+            .st
+            .cache
+            .pending_keys()
+            .filter(|&((l, e), live_prefetch)| l == layer && live_prefetch && !wanted.contains(&e))
+            .map(|(k, _)| k)
+            .filter(|k| self.st.tickets.get(k).is_some_and(|t| !t.started()))
+            .collect();
+        for k in dropped {
+            if self.st.cache.cancel(k) {
+                if let Some(t) = self.st.tickets.get(&k) {
+                    t.cancel();
+                }
+            }
+        }
+        crate::timeline::mark("repredict", u64::from(layer), wanted.len() as u64);
+        if !self.to_read.is_empty() {
+            // This batch's demand reads are not all submitted yet: held back as before.
+            self.st.deferred_prefetch = Some((layer, wanted));
+        } else {
+            self.st.deferred_prefetch = None;
+            self.store.issue_prefetch(&mut self.st, layer, &wanted);
+        }
+    }
+
     /// Time since `since` spent waiting for this batch's reads while doing other work (the
     /// caller's idle work between [`ExpertBatch::next_ready`] looks): counted as a stall, and
     /// on the timeline as one, as a blocking wait is.

@@ -41,6 +41,8 @@ pub struct FetchStats {
     pub evictions: u64,
     /// Predictions not turned into reads because measured precision was too low.
     pub prefetch_gated: u64,
+    /// Predictions replaced by a better one made while the layer before waited for its reads.
+    pub repredictions: u64,
 }
 
 impl FetchStats {
@@ -80,6 +82,7 @@ macro_rules! fetch_counters {
             peak_bytes: $peak,
             evictions: $a.evictions.$op($b.evictions),
             prefetch_gated: $a.prefetch_gated.$op($b.prefetch_gated),
+            repredictions: $a.repredictions.$op($b.repredictions),
         }
     };
 }

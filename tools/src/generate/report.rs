@@ -185,6 +185,7 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
             "requests": f.requests, "cache_hits": f.cache_hits, "prefetch_hits": f.prefetch_hits,
             "reads": f.reads, "prefetch_reads": f.prefetch_reads,
             "prefetch_cancelled": f.prefetch_cancelled, "evictions": f.evictions,
+            "repredictions": f.repredictions,
             "expert_memory_peak_bytes": f.peak_bytes,
         });
         v["cache_policy"] = loaded.policy.to_string().into();
