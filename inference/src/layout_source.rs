@@ -401,6 +401,8 @@ impl WeightSource for LayoutSource {
                     let waiting = std::time::Instant::now();
                     let mut worked = false;
                     while landed.is_none() && on_idle(&mut BatchHints(&mut batch)) {
+                        // The idle work may have run a parallel pass, which woke them.
+                        crate::kernels::pool::pool().rest();
                         worked = true;
                         landed = batch.next_ready();
                     }

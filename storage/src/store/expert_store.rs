@@ -357,6 +357,7 @@ impl ExpertStore {
             fetch,
             replica_recoveries: self.engine.replica_recoveries(),
             repairs: self.engine.repairs(),
+            prefetch_rank_precision: st.gate.rank_precisions(),
         }
     }
 

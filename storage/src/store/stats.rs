@@ -141,6 +141,9 @@ pub struct StoreStats {
     pub repairs: Vec<Repair>,
     /// Streamed resident records (a layer's non-expert weights read for every use).
     pub stream: crate::store::streamed::StreamStats,
+    /// The prefetch gate's measured precision of each rank of a prediction, likeliest first
+    /// (as of now; a moving average).
+    pub prefetch_rank_precision: Vec<f64>,
 }
 
 impl Sub for &StoreStats {

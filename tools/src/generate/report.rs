@@ -29,6 +29,14 @@ fn source_json(l: &Loaded) -> serde_json::Value {
         v.insert("drives".into(), src.drive_count().into());
         v.insert("bytes_read".into(), s.bytes_read.into());
         v.insert("resident_bytes".into(), s.resident_bytes.into());
+        v.insert(
+            "prefetch_rank_precision".into(),
+            s.prefetch_rank_precision
+                .iter()
+                .map(|p| (p * 1000.0).round() / 1000.0)
+                .collect::<Vec<f64>>()
+                .into(),
+        );
         v.insert("expert_bytes".into(), s.fetch.read_bytes.into());
         v.insert("experts_fetched".into(), s.fetch.reads.into());
         v.insert(
