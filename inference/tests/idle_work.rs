@@ -156,3 +156,53 @@ fn generation_that_warms_while_waiting_keeps_its_tokens() {
         );
     }
 }
+
+/// Speculative decoding over a paced drive: its verification batches (several positions) run
+/// the lookahead too, which moves the next layer's KV cache or recurrent state forward and back
+/// while the verification itself later rolls the same states back to the accepted length. The
+/// tokens are plain greedy's from memory on every synthetic architecture, for a drafter that
+/// is always right and one that is right half the time.
+#[test]
+fn speculative_decoding_over_a_paced_drive_keeps_its_tokens() {
+    use deltafin_inference::speculative::{speculative_generate, ReplayDrafter, SpecConfig};
+    for arch in deltafin_inference::synth::presets::SYNTH_ARCHS {
+        let ckpt = tempfile::tempdir().unwrap();
+        common::synth_preset(ckpt.path(), arch, 11, &["num_hidden_layers=4"]);
+        let prompt: Vec<u32> = (0..9u32).map(|i| (i * 53 + 9) % 500).collect();
+        let mem = Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap();
+        let mut config = GenerateConfig::for_model(&mem, 10);
+        config.stop_tokens.clear();
+        let want = generate(&mem, &mut mem.new_session(), &prompt, &config, &mut |_| {
+            true
+        })
+        .unwrap()
+        .tokens;
+        let (_tmp, layout) = lay_out(ckpt.path());
+        let src = Arc::new(LayoutSource::open(&layout, &paced(64e6)).unwrap());
+        let model = Model::load(src.clone()).unwrap();
+        for (wrong, k) in [(0.0, 3usize), (0.5, 4)] {
+            let mut drafter =
+                ReplayDrafter::new(prompt.len(), want.clone(), wrong, model.vocab_size(), 7)
+                    .unwrap();
+            let sc = SpecConfig {
+                max_k: k,
+                adaptive: false,
+                bytes_read: None,
+            };
+            let (out, stats) = speculative_generate(
+                &model,
+                &mut model.new_session(),
+                &[],
+                &prompt,
+                &config,
+                &sc,
+                &mut drafter,
+                &mut |_| true,
+            )
+            .unwrap();
+            assert_eq!(out.tokens, want, "{arch}: drafter wrong {wrong}, k {k}");
+            assert!(stats.verify_passes > 0, "{arch}: no verification batch");
+        }
+        assert!(src.stats().fetch.repredictions > 0, "{arch}: no lookahead");
+    }
+}
