@@ -64,7 +64,13 @@ for ((r = 0; r < ROUNDS; r++)); do
         out=$(bash -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$cg" env $ENVS "$BIN" generate \
             --model "$drive/u$UNIT" --prompt-ids 5 -n "$DECODE" --ignore-eos --ram-budget "$cap" \
             --threads-per-drive "$TPD" --hash-check "$HC" --pace-drives "$RATE" $ARGS "${trace[@]}" \
-            --json -q 2>/dev/null | tail -1)
+            --json -q 2>"$raw.err" | tail -1) || true
+        if [ -z "$out" ]; then
+            # Killed (the memory cgroup's OOM killer: see dmesg) or failed: say so, do not
+            # drop the run silently.
+            echo "variant $i round $r: no result ($(tail -c 300 "$raw.err"))" >&2
+            continue
+        fi
         echo "$out" | python3 -c "
 import json, sys
 x = json.loads(sys.stdin.read()); s = x['decode_s_per_token']
@@ -86,4 +92,4 @@ for i, v in enumerate(sys.argv[2:]):
           f"{med('io_drive_ms'):.2f} ms, overlap {med('overlap_ratio'):.3f} / {med('overlap_ratio_drive_bytes'):.3f}"
           f" (medians of {len(mine)}; decode {sorted(round(r['decode_ms'], 2) for r in mine)})")
 PY
-rm -f "$raw"
+rm -f "$raw" "$raw.err"

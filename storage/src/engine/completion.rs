@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::engine::replica::recover_record;
-use crate::engine::request::{Completion, InFlight, Loaded};
+use crate::engine::request::{Completion, InFlight, Loaded, ReadBuf};
 use crate::engine::shared::Shared;
 use crate::error::StorageError;
 
@@ -26,10 +26,17 @@ pub(crate) fn finish_piece(shared: &Shared, req: &Arc<InFlight>, piece: usize) {
 pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
     let buf = req.buf.lock().unwrap_or_else(|p| p.into_inner()).take();
     let error = req.error.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let mut unused = None;
     let result = match (buf, error) {
-        (_, Some(e)) => Err(e),
+        (b, Some(e)) => {
+            unused = b;
+            Err(e)
+        }
         (None, None) => Err(StorageError::EngineClosed),
-        (Some(_), None) if req.cancelled.load(Ordering::Acquire) => Err(StorageError::Cancelled),
+        (Some(b), None) if req.cancelled.load(Ordering::Acquire) => {
+            unused = Some(b);
+            Err(StorageError::Cancelled)
+        }
         (Some(buf), None) => match &req.expected_hash {
             Some(want) => {
                 let matched = match &req.hashing {
@@ -58,9 +65,16 @@ pub(crate) fn complete(shared: &Shared, req: &Arc<InFlight>) {
             }),
         },
     };
+    // Every piece has finished (the last `remaining` decrement got us here): nothing writes
+    // to the buffer any more. A pooled one goes back to its pool when dropped.
+    let unused = match unused {
+        Some(ReadBuf::Owned(b)) => Some(b),
+        _ => None,
+    };
     let _ = req.done.send(Completion {
         tag: req.tag,
         target: req.target.clone(),
         result,
+        unused,
     });
 }

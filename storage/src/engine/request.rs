@@ -76,6 +76,9 @@ pub struct Completion {
     pub tag: u64,
     pub target: Target,
     pub result: Result<Loaded>,
+    /// On an error (a cancel included), the buffer the caller gave `submit`, no longer
+    /// written to: for the caller to reuse instead of allocating another.
+    pub unused: Option<AlignedBuf>,
 }
 
 /// A unit of work on a drive's lane.

@@ -158,6 +158,12 @@ impl ExpertStore {
             }
             Err(e) => {
                 st.cache.land(key, None, now);
+                // A cancelled guess's buffer is kept for the next read rather than freed:
+                // allocating and freeing expert buffers fragments the heap and grows the
+                // resident set past the budget (the lookahead cancels more guesses).
+                if let Some(b) = c.unused {
+                    let _ = st.cache.add_spare(b);
+                }
                 (key, Some(e))
             }
         }
