@@ -274,3 +274,22 @@ pub fn wait_until(what: &str, cond: impl Fn() -> bool) {
     }
     panic!("timed out waiting until {what}");
 }
+
+/// MODEL_A laid out on one drive under `root`, opened by an engine with one worker per drive
+/// that a [`Gate`] holds: with the first read held, the order of the rest is decided by the
+/// lanes alone, not by timing. Returns the engine, the layout's manifest and the gate.
+pub fn gated_engine(root: &Path) -> (Engine, deltafin_storage::manifest::Manifest, Arc<Gate>) {
+    let ckpt = write_model(&root.join("model"), MODEL_A, 11);
+    let ds = drives(root, 1);
+    let m = deltafin_storage::layout::write_layout(
+        &ckpt,
+        &opts(ds.clone(), Mode::Replicate, 1 << 20),
+        &NoProgress,
+    )
+    .unwrap();
+    let gate = Arc::new(Gate::default());
+    let (manifest, dirs) = open_layout(&ds[0].join("m")).unwrap();
+    let cfg = config(1, HashCheck::Off, Arc::new(GatedBackend::new(gate.clone())));
+    let engine = Engine::open(Arc::new(manifest), &dirs, cfg).unwrap();
+    (engine, m, gate)
+}
