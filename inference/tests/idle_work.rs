@@ -206,3 +206,56 @@ fn speculative_decoding_over_a_paced_drive_keeps_its_tokens() {
         assert!(src.stats().fetch.repredictions > 0, "{arch}: no lookahead");
     }
 }
+
+/// Every decoder layer streamed (its attention weights read for every forward) over a paced
+/// drive, where layers wait for their experts with idle work offered: the tokens are plain
+/// greedy's from memory. (The lookahead needs the next layer's weights at the prediction; on
+/// this drive they land later, so here it does not run.)
+#[test]
+fn lookahead_over_streamed_layers_keeps_its_tokens() {
+    for arch in deltafin_inference::synth::presets::SYNTH_ARCHS {
+        let ckpt = tempfile::tempdir().unwrap();
+        common::synth_preset(ckpt.path(), arch, 5, &["num_hidden_layers=4"]);
+        let prompt: Vec<u32> = (0..9u32).map(|i| (i * 29 + 3) % 500).collect();
+        let mem = Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap();
+        let mut config = GenerateConfig::for_model(&mem, 8);
+        config.stop_tokens.clear();
+        let want = generate(&mem, &mut mem.new_session(), &prompt, &config, &mut |_| {
+            true
+        })
+        .unwrap()
+        .tokens;
+        let (_tmp, layout) = lay_out(ckpt.path());
+        let opts = LayoutSourceOptions {
+            min_streamed_record: 0,
+            ..paced(64e6)
+        };
+        let src = LayoutSource::open_streaming(
+            &layout,
+            &opts,
+            &mut |_, s| Ok(s.layers.iter().map(|l| l.layer).collect()),
+            &mut |_| {},
+        )
+        .unwrap();
+        let (model, src) = Model::load_owned(src).unwrap();
+        assert_eq!(
+            model.streamed_layers().len(),
+            4,
+            "{arch}: every layer streamed"
+        );
+        let got = generate(
+            &model,
+            &mut model.new_session(),
+            &prompt,
+            &config,
+            &mut |_| true,
+        )
+        .unwrap()
+        .tokens;
+        assert_eq!(got, want, "{arch}");
+        assert!(
+            src.stats().fetch.stall > std::time::Duration::ZERO,
+            "{arch}: the drive was never waited for"
+        );
+    }
+}
