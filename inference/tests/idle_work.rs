@@ -157,6 +157,40 @@ fn generation_that_warms_while_waiting_keeps_its_tokens() {
     }
 }
 
+/// A 4-layer synthetic `arch` checkpoint (`seed`), a 9-token prompt (`mul`, `add` vary it),
+/// a greedy config for `tokens` and what plain greedy gives from memory: the reference the
+/// runs over paced drives must match.
+struct Reference {
+    ckpt: tempfile::TempDir,
+    prompt: Vec<u32>,
+    config: GenerateConfig,
+    want: Vec<u32>,
+}
+
+fn reference(arch: &str, seed: u64, mul: u32, add: u32, tokens: usize) -> Reference {
+    let ckpt = tempfile::tempdir().unwrap();
+    common::synth_preset(ckpt.path(), arch, seed, &["num_hidden_layers=4"]);
+    let prompt: Vec<u32> = (0..9u32).map(|i| (i * mul + add) % 500).collect();
+    let mem = Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap();
+    let mut config = GenerateConfig::for_model(&mem, tokens);
+    config.stop_tokens.clear();
+    let want = greedy(&mem, &prompt, &config);
+    Reference {
+        ckpt,
+        prompt,
+        config,
+        want,
+    }
+}
+
+fn greedy(model: &Model, prompt: &[u32], config: &GenerateConfig) -> Vec<u32> {
+    generate(model, &mut model.new_session(), prompt, config, &mut |_| {
+        true
+    })
+    .unwrap()
+    .tokens
+}
+
 /// Speculative decoding over a paced drive: its verification batches (several positions) run
 /// the lookahead too, which moves the next layer's KV cache or recurrent state forward and back
 /// while the verification itself later rolls the same states back to the accepted length. The
@@ -166,17 +200,12 @@ fn generation_that_warms_while_waiting_keeps_its_tokens() {
 fn speculative_decoding_over_a_paced_drive_keeps_its_tokens() {
     use deltafin_inference::speculative::{speculative_generate, ReplayDrafter, SpecConfig};
     for arch in deltafin_inference::synth::presets::SYNTH_ARCHS {
-        let ckpt = tempfile::tempdir().unwrap();
-        common::synth_preset(ckpt.path(), arch, 11, &["num_hidden_layers=4"]);
-        let prompt: Vec<u32> = (0..9u32).map(|i| (i * 53 + 9) % 500).collect();
-        let mem = Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap();
-        let mut config = GenerateConfig::for_model(&mem, 10);
-        config.stop_tokens.clear();
-        let want = generate(&mem, &mut mem.new_session(), &prompt, &config, &mut |_| {
-            true
-        })
-        .unwrap()
-        .tokens;
+        let Reference {
+            ckpt,
+            prompt,
+            config,
+            want,
+        } = reference(arch, 11, 53, 9, 10);
         let (_tmp, layout) = lay_out(ckpt.path());
         let src = Arc::new(LayoutSource::open(&layout, &paced(64e6)).unwrap());
         let model = Model::load(src.clone()).unwrap();
@@ -214,17 +243,12 @@ fn speculative_decoding_over_a_paced_drive_keeps_its_tokens() {
 #[test]
 fn lookahead_over_streamed_layers_keeps_its_tokens() {
     for arch in deltafin_inference::synth::presets::SYNTH_ARCHS {
-        let ckpt = tempfile::tempdir().unwrap();
-        common::synth_preset(ckpt.path(), arch, 5, &["num_hidden_layers=4"]);
-        let prompt: Vec<u32> = (0..9u32).map(|i| (i * 29 + 3) % 500).collect();
-        let mem = Model::load(Arc::new(DirSource::open(ckpt.path()).unwrap())).unwrap();
-        let mut config = GenerateConfig::for_model(&mem, 8);
-        config.stop_tokens.clear();
-        let want = generate(&mem, &mut mem.new_session(), &prompt, &config, &mut |_| {
-            true
-        })
-        .unwrap()
-        .tokens;
+        let Reference {
+            ckpt,
+            prompt,
+            config,
+            want,
+        } = reference(arch, 5, 29, 3, 8);
         let (_tmp, layout) = lay_out(ckpt.path());
         let opts = LayoutSourceOptions {
             min_streamed_record: 0,
@@ -243,16 +267,7 @@ fn lookahead_over_streamed_layers_keeps_its_tokens() {
             4,
             "{arch}: every layer streamed"
         );
-        let got = generate(
-            &model,
-            &mut model.new_session(),
-            &prompt,
-            &config,
-            &mut |_| true,
-        )
-        .unwrap()
-        .tokens;
-        assert_eq!(got, want, "{arch}");
+        assert_eq!(greedy(&model, &prompt, &config), want, "{arch}");
         assert!(
             src.stats().fetch.stall > std::time::Duration::ZERO,
             "{arch}: the drive was never waited for"

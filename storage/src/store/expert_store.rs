@@ -88,6 +88,18 @@ pub(crate) struct StoreState {
     pub stats: FetchStats,
 }
 
+impl StoreState {
+    /// Cancel the read of `key` if it is a live one (pieces not yet started are skipped, the
+    /// rest finish; its completion then settles the slot and hands its buffer back).
+    pub(crate) fn cancel_read(&mut self, key: ExpertKey) {
+        if self.cache.cancel(key) {
+            if let Some(t) = self.tickets.get(&key) {
+                t.cancel();
+            }
+        }
+    }
+}
+
 /// Figures of the resident-set load, for the statistics.
 #[derive(Clone, Copy, Debug, Default)]
 struct ResidentFigures {

@@ -222,11 +222,7 @@ impl<'s> ExpertBatch<'s> {
             .map(|(k, _)| k)
             .collect();
         for k in wrong {
-            if st.cache.cancel(k) {
-                if let Some(t) = st.tickets.get(&k) {
-                    t.cancel();
-                }
-            }
+            st.cancel_read(k);
         }
         st.clock += 1;
         let now = st.clock;
@@ -325,11 +321,7 @@ impl<'s> ExpertBatch<'s> {
                     });
                 }
                 for k in others {
-                    if self.st.cache.cancel(k) {
-                        if let Some(t) = self.st.tickets.get(&k) {
-                            t.cancel();
-                        }
-                    }
+                    self.st.cancel_read(k);
                 }
             }
             break;
@@ -367,11 +359,7 @@ impl<'s> ExpertBatch<'s> {
             .filter(|k| self.st.tickets.get(k).is_some_and(|t| !t.started()))
             .collect();
         for k in dropped {
-            if self.st.cache.cancel(k) {
-                if let Some(t) = self.st.tickets.get(&k) {
-                    t.cancel();
-                }
-            }
+            self.st.cancel_read(k);
         }
         crate::timeline::mark("repredict", u64::from(layer), wanted.len() as u64);
         if !self.to_read.is_empty() {
