@@ -44,7 +44,8 @@ pub(crate) unsafe fn rows_i16(
     out: &mut [f32],
     stride: usize,
 ) {
-    let wide = matches!(kind, WeightFormat::Q8 { .. }) && !vnni && !x.hi_only;
+    // 8-bit inputs (`hi_only`) too: their copy holds `256 * hi`.
+    let wide = matches!(kind, WeightFormat::Q8 { .. }) && !vnni;
     if !wide || x.wide.is_empty() {
         // SAFETY: the caller's contract.
         unsafe {

@@ -49,7 +49,8 @@ pub struct I16Inputs {
     pub hi_only: bool,
     /// `[n, cols]` the 16-bit values `256 * hi + lo` in natural element order, for Q8 on AVX2
     /// without VNNI (`kernels/avx2_q8.rs`: sign-extended codes times these in `vpmaddwd`,
-    /// instead of the sign trick on each plane); empty otherwise.
+    /// instead of the sign trick on each plane), also for 8-bit inputs (`256 * hi`); empty
+    /// otherwise.
     pub wide: Vec<i16>,
 }
 

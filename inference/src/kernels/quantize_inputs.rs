@@ -196,8 +196,16 @@ pub fn quantize_inputs_i8_planes(
         }
         lo.fill(0);
     }
-    // The 16-bit copy held the low plane too.
-    q.wide = Vec::new();
+    // The 16-bit copy held the low plane too: now `256 * hi`, the values the planes hold.
+    // Q8 on AVX2 then takes the widened-code kernel (`kernels/avx2_q8.rs`), whose integer
+    // sums are the hi plane's times 256 as the two-plane kernel forms them: the i8 prefill of
+    // the 3.1B synth with Q8 dense weights was 0.88x its 16-bit one through the two-plane
+    // kernel (benches/results/avx2_q8_i8_session31.txt).
+    // `256 * hi + lo` with `lo` in -128..=127 rounds back to `256 * hi` as
+    // `((v + 128) >> 8) << 8`: no pass through the slots.
+    for w in &mut q.wide {
+        *w = (((i32::from(*w) + 128) >> 8) << 8) as i16;
+    }
     for ((ds, &d), sum) in q.dsums.iter_mut().zip(&q.d).zip(sums) {
         *ds = d * sum as f32;
     }
@@ -402,8 +410,8 @@ mod tests {
         }
     }
 
-    /// The 16-bit copy is Q8's on AVX2 only, holds `256 * hi + lo` of every element in
-    /// natural order, and is dropped with the low plane by the 8-bit planes.
+    /// The 16-bit copy is Q8's on AVX2 only and holds `256 * hi + lo` of every element in
+    /// natural order (the 8-bit planes' too, whose `lo` is 0).
     #[test]
     fn wide_inputs_are_the_planes_values() {
         for kind in INTEGER_KINDS {
@@ -426,9 +434,14 @@ mod tests {
                             "{kind:?} {cols} {i}"
                         );
                     }
-                    assert!(quantize_inputs_i8_planes(isa, kind, &x, cols)
-                        .wide
-                        .is_empty());
+                    // The 8-bit planes keep the copy, of `256 * hi` (their low plane is 0).
+                    let q8 = quantize_inputs_i8_planes(isa, kind, &x, cols);
+                    assert_eq!(!q8.wide.is_empty(), wanted, "{isa:?} {kind:?} (8-bit)");
+                    for (i, &w) in q8.wide.iter().enumerate() {
+                        let slot = i / cols * cols + i16_slot(kind, cols, q8.order, i % cols);
+                        assert_eq!(q8.lo[slot], 0);
+                        assert_eq!(i32::from(w), 256 * i32::from(q8.hi[slot]), "{kind:?} {i}");
+                    }
                 }
             }
         }
