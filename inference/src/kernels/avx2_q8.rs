@@ -10,6 +10,9 @@
 //! differs, within the Q8 error budget of the kernel tests; the result does not depend on how
 //! many inputs a call takes (a matrix-vector product equals the matrix product's row).
 //!
+//! 8-bit inputs ([`crate::kernels::Act::I8`], the hi plane alone) come with their copy too,
+//! `256 * hi`: the same kernel, the two-plane kernel's integer sums.
+//!
 //! [`I16Inputs::wide`]: crate::kernels::inputs::I16Inputs::wide
 
 use std::arch::x86_64::*;
