@@ -198,8 +198,8 @@ pub fn quantize_inputs_i8_planes(
     // The 16-bit copy held the low plane too: now `256 * hi`, the values the planes hold.
     // Q8 on AVX2 then takes the widened-code kernel (`kernels/avx2_q8.rs`), whose integer
     // sums are the hi plane's times 256 as the two-plane kernel forms them: the i8 prefill of
-    // the 3.1B synth with Q8 dense weights was 0.88x its 16-bit one through the two-plane
-    // kernel (benches/results/avx2_q8_i8_session31.txt).
+    // the 3.1B synth with Q8 dense weights was 0.89-0.98x its 16-bit one through the
+    // two-plane kernel (benches/results/avx2_q8_i8_session31.txt).
     // `256 * hi + lo` with `lo` in -128..=127 rounds back to `256 * hi` as
     // `((v + 128) >> 8) << 8`: no pass through the slots.
     for w in &mut q.wide {
@@ -219,7 +219,8 @@ fn block_of_slot(kind: WeightFormat, cols: usize, order: I16Order) -> std::rc::R
 }
 
 /// `out[e]`: the slot [`i16_slot`] puts element `e` at; kept per thread as
-/// [`block_of_slot`] (computed per call, it was 4% of a Q8 prefill's samples on AVX2).
+/// [`block_of_slot`] (computed per call, `i16_slot` was ~1% of a Q8 prefill's samples on
+/// AVX2).
 fn slot_of_element(kind: WeightFormat, cols: usize, order: I16Order) -> std::rc::Rc<[u32]> {
     cached_map(MapKind::SlotOfElement, kind, cols, order)
 }
