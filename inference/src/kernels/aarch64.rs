@@ -6,7 +6,7 @@ use std::arch::aarch64::*;
 
 use deltafin_formats::WeightFormat;
 
-use crate::kernels::shape::{KernelShape, BLOCK};
+use crate::kernels::shape::BLOCK;
 
 /// Formats with a NEON kernel.
 pub fn supports(kind: WeightFormat) -> bool {

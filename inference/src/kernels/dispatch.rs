@@ -11,7 +11,9 @@ use crate::kernels::isa::{Act, Isa};
 use crate::kernels::prepare::prepare_inputs;
 use crate::kernels::scalar;
 use crate::kernels::scales::{group_scale_bytes, row_scales};
-use crate::kernels::shape::{l1_input_chunk, prefetch_l2, KernelShape, BLOCK};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::shape::l1_input_chunk;
+use crate::kernels::shape::{prefetch_l2, KernelShape, BLOCK};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{avx2_q8, x86, x86_avx512, x86_avx512_bf16};
 use crate::linear::matrix::WeightMatrix;

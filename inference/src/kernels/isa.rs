@@ -118,6 +118,7 @@ impl Isa {
     }
 
     /// Whether the AVX-512 kernels run on this ISA (with or without VNNI).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // used by the x86 kernels only
     pub(crate) fn has_avx512(self) -> bool {
         matches!(self, Isa::Avx512Bw | Isa::Avx512)
     }

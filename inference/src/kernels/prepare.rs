@@ -41,8 +41,10 @@ pub(crate) enum Prepared {
     /// The kernels read `x` itself.
     AsGiven,
     /// The kernels read `x` itself and round it to BF16 ([`Act::Bf16`]).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // used by the x86 kernels only
     RoundedToBf16,
     /// `x` reordered (AVX-512 BF16).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // used by the x86 kernels only
     Reordered(Vec<f32>),
     /// `x` quantized (the integer formats' 8- and 16-bit paths).
     Quantized(Inputs<'static>),

@@ -29,16 +29,19 @@ impl KernelShape for WeightFormat {
 /// Bytes of prepared inputs a matrix-product tile keeps in L1 (32-48 KiB on the x86 cores
 /// this runs on) while it walks a task's rows: measured best of 12-48 KiB on BF16 and INT4
 /// 2048x1024 at 8 and 32 inputs (`examples/gemm_rate.rs`).
+#[cfg(target_arch = "x86_64")]
 const L1_INPUT_BYTES: usize = 24 << 10;
 
 /// Inputs per chunk of a matrix product, `per_input` bytes each, that stay in L1: a multiple of
 /// four (the 16-bit and BF16-activation tiles' width; the f32 tile takes two).
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn l1_input_chunk(per_input: usize) -> usize {
     l1_input_chunk_of(per_input, 4)
 }
 
 /// Inputs per chunk that stay in L1, `per_input` bytes each: a multiple of the tile's `width`
 /// (at least one tile).
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn l1_input_chunk_of(per_input: usize, width: usize) -> usize {
     let width = width.max(1);
     (L1_INPUT_BYTES / per_input.max(1)).max(width) / width * width
@@ -46,6 +49,7 @@ pub(crate) fn l1_input_chunk_of(per_input: usize, width: usize) -> usize {
 
 /// Rows of a strided output of `len` values holding `n` per row, `stride` apart (the last
 /// row's `n` values end the slice): `(rows - 1) * stride + n == len`; 0 without inputs.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn strided_rows(len: usize, n: usize, stride: usize) -> usize {
     if n == 0 || len < n {
         0

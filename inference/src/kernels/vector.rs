@@ -9,6 +9,7 @@
 //! the results are bit-identical on every instruction set (tested), and the `DELTAFIN_KERNELS`
 //! cap need not reach here.
 
+#[cfg(target_arch = "x86_64")]
 use crate::kernels::shape::KernelShape;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::x86_avx512;
@@ -407,8 +408,11 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(not(target_arch = "x86_64"))]
+    use crate::kernels::shape::KernelShape;
 
     fn levels() -> Vec<Level> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut v = vec![Level::Portable];
         #[cfg(target_arch = "x86_64")]
         {

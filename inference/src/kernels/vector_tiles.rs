@@ -11,6 +11,7 @@ use super::vector::{level, reduce16_of, reduce64, Level};
 pub const TILE_POSITIONS: usize = 4;
 /// Columns per register tile on AVX-512 (four 16-lane vectors per position: 16 of its 32
 /// registers) and, for the tiled dot products, lanes per pass.
+#[cfg(target_arch = "x86_64")]
 const TILE_COLS_WIDE: usize = 64;
 /// The same on AVX2 and the portable build (16 registers: four positions of 64 columns were
 /// 32 accumulators, spilled and reloaded around every multiply-add; the MLA core of a 32-token
