@@ -152,7 +152,7 @@ mod tests {
         let buf: Vec<u8> = (0..12_288u32)
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
             .collect();
-        let want = RecordHash::Xxh3(xxhash_rust::xxh3::xxh3_128(&buf[..payload]));
+        let want = RecordHash::Xxh3(crate::record_hash::xxh3_128(&buf[..payload]));
         let blake = RecordHash::Blake3(*blake3::hash(&buf[..payload]).as_bytes());
         for order in [[0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 1, 0]] {
             for w in [want, blake] {
