@@ -176,30 +176,64 @@ unsafe fn q8_wide<const N: usize>(
                     }
                 }
             }
-            for k in 0..m {
-                let b = g + k;
-                // SAFETY: `b < blocks`: the block's 32 codes are inside `row`, and its 32
-                // values `[t * cols + 32b ..][..32]` inside `wide` for `t < N`.
+            // Blocks in pairs, even into `acc[t][0]` and odd into `acc[t][1]`: with the index
+            // known at compile time the accumulators stay in registers (`acc[k & 1]` kept them
+            // on the stack, a store-to-load chain per FMA: 24 against 37 GMAC/s for BF16).
+            let mut k = 0;
+            while k < m {
+                // SAFETY: `g + k < blocks`, and `g + k + 1 < blocks` when `k + 1 < m`.
                 unsafe {
-                    let c0 =
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(BLOCK * b) as *const __m128i));
-                    let c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(
-                        p.add(BLOCK * b + 16) as *const __m128i
-                    ));
+                    let c = block_codes(p, g + k);
                     for (t, acc) in acc.iter_mut().enumerate() {
-                        let x = xp.add(t * cols + BLOCK * b);
-                        let s = _mm256_add_epi32(
-                            _mm256_madd_epi16(c0, _mm256_loadu_si256(x as *const __m256i)),
-                            _mm256_madd_epi16(c1, _mm256_loadu_si256(x.add(16) as *const __m256i)),
-                        );
-                        let scale = _mm256_broadcast_ss(&wd[t][k]);
-                        acc[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[k & 1]);
+                        acc[0] = block_fma(c, xp.add(t * cols + BLOCK * (g + k)), wd[t][k], acc[0]);
+                    }
+                    if k + 1 < m {
+                        let c = block_codes(p, g + k + 1);
+                        for (t, acc) in acc.iter_mut().enumerate() {
+                            let x = xp.add(t * cols + BLOCK * (g + k + 1));
+                            acc[1] = block_fma(c, x, wd[t][k + 1], acc[1]);
+                        }
                     }
                 }
+                k += 2;
             }
         }
         for (o, a) in out.iter_mut().zip(&acc) {
             *o = hsum(_mm256_add_ps(a[0], a[1]));
         }
+    }
+}
+
+/// Block `b`'s 32 codes of the row at `p`, sign-extended to 16 bits (two halves).
+///
+/// # Safety
+/// AVX2 available; `p + 32 * b .. + 32` inside the row.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn block_codes(p: *const u8, b: usize) -> [__m256i; 2] {
+    // SAFETY: the caller's contract.
+    unsafe {
+        [
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(BLOCK * b) as *const __m128i)),
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(BLOCK * b + 16) as *const __m128i)),
+        ]
+    }
+}
+
+/// `acc + scale * (codes . x)`: one block's 32 products with the 32 16-bit inputs at `x`, the
+/// exact integer sum per lane converted to f32.
+///
+/// # Safety
+/// AVX2 and FMA available; 32 values readable at `x`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn block_fma(c: [__m256i; 2], x: *const i16, scale: f32, acc: __m256) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let s = _mm256_add_epi32(
+            _mm256_madd_epi16(c[0], _mm256_loadu_si256(x as *const __m256i)),
+            _mm256_madd_epi16(c[1], _mm256_loadu_si256(x.add(16) as *const __m256i)),
+        );
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(scale), acc)
     }
 }
