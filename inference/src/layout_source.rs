@@ -386,6 +386,9 @@ impl WeightSource for LayoutSource {
     ) -> Result<()> {
         let first = experts.first().copied().unwrap_or(0);
         let mut batch = self.fetch(layer, experts)?;
+        // Whether this layer waited for a drive: the compute workers park between passes
+        // from its first wait until a layer that finds all its experts ready.
+        let mut waited = false;
         // Wait for one expert, then take every other one that is already there (cached, or
         // landed meanwhile): the group is computed in one parallel pass while the drives
         // go on reading the rest.
@@ -396,6 +399,10 @@ impl WeightSource for LayoutSource {
                 None => {
                     // Waiting for a drive: the compute workers sleep meanwhile, and this
                     // thread does the caller's idle work, looking for a landing between steps.
+                    if !waited {
+                        waited = true;
+                        crate::kernels::pool::pool().park_between_passes(true);
+                    }
                     crate::kernels::pool::pool().rest();
                     let mut landed = None;
                     let waiting = std::time::Instant::now();
@@ -424,6 +431,9 @@ impl WeightSource for LayoutSource {
                 .map(|l| (l.expert as usize, expert_view(l.tensors, l.bytes())))
                 .collect();
             on_group(&views)?;
+        }
+        if !waited {
+            crate::kernels::pool::pool().park_between_passes(false);
         }
         Ok(())
     }

@@ -7,7 +7,8 @@
 //! pass whose other thread had gone to sleep took ~10 us instead of ~1.6 us (futex wake-up and
 //! a virtual IPI), and scheduler and futex time was ~6% of a decode profile. Here a worker
 //! spins briefly, then yields (so that I/O threads hashing landed experts still get the core),
-//! and parks only after [`IDLE_BEFORE_PARK`] without a pass.
+//! and parks only after [`IDLE_BEFORE_PARK`] without a pass, or right after each pass while
+//! the forward reads from drives ([`Pool::park_between_passes`]).
 //!
 //! One pass at a time: a pass started while another is running (from a task, or from a second
 //! thread) runs its tasks on the calling thread. A panicking task is re-raised on the caller
@@ -46,6 +47,9 @@ struct Shared {
     sleeping: AtomicUsize,
     /// Set by [`Pool::rest`] until the next pass: idle workers park at once.
     resting: AtomicBool,
+    /// Set by [`Pool::park_between_passes`] until cleared: idle workers park at once after
+    /// every pass.
+    park_between: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
     stop: AtomicBool,
@@ -116,7 +120,8 @@ impl Shared {
                 continue;
             }
             let idle = idle_since.elapsed();
-            let resting = self.resting.load(Ordering::Relaxed);
+            let resting =
+                self.resting.load(Ordering::Relaxed) || self.park_between.load(Ordering::Relaxed);
             if idle < SPIN && !resting {
                 std::hint::spin_loop();
             } else if idle < IDLE_BEFORE_PARK && !resting {
@@ -166,6 +171,7 @@ impl Pool {
             busy: AtomicBool::new(false),
             sleeping: AtomicUsize::new(0),
             resting: AtomicBool::new(false),
+            park_between: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -257,6 +263,17 @@ impl Pool {
     /// The next pass wakes them.
     pub fn rest(&self) {
         self.shared.resting.store(true, Ordering::Relaxed);
+    }
+
+    /// While `on`, idle workers park right after each pass instead of spinning and yielding
+    /// (for [`IDLE_BEFORE_PARK`]) until the next. For the passes between a forward's waits
+    /// on drives: the I/O threads (hashing, completions) and the drive itself need the cores
+    /// then, and a spinning or yielding worker held one. At a 40% memory cap, paired over
+    /// 10 alternated rounds, INT4 decoded in 0.989 of the time (Q8, whose cores are mostly
+    /// idle there: 1.003; `benches/results/q8_kernel_session33.txt`). Not in RAM: a parked
+    /// worker's wake-up costs a pass several microseconds.
+    pub fn park_between_passes(&self, on: bool) {
+        self.shared.park_between.store(on, Ordering::Relaxed);
     }
 
     /// `f(i, &mut items[i])` for every item, in parallel.
@@ -380,6 +397,49 @@ mod tests {
             c.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(c.load(Ordering::Relaxed), 100);
+    }
+
+    /// Workers told to park between passes do so after every pass, and every pass still runs
+    /// all of its tasks; cleared, they spin again.
+    #[test]
+    fn workers_parking_between_passes_run_every_pass() {
+        let p = Pool::new(3);
+        p.park_between_passes(true);
+        for round in 0..2000usize {
+            if round % 5 == 0 {
+                std::thread::sleep(Duration::from_micros(round as u64 % 200));
+            }
+            let c = AtomicUsize::new(0);
+            p.run(8, |_| {
+                c.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(c.load(Ordering::Relaxed), 8, "round {round}");
+        }
+        let t = Instant::now();
+        while p.shared.sleeping.load(Ordering::SeqCst) < 2 && t.elapsed() < Duration::from_secs(5) {
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            p.shared.sleeping.load(Ordering::SeqCst),
+            2,
+            "parked after the last pass"
+        );
+        p.park_between_passes(false);
+        let c = AtomicUsize::new(0);
+        p.run(4, |_| {
+            c.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(c.load(Ordering::Relaxed), 4);
+        // That pass woke them (they spin and yield again before parking).
+        let t = Instant::now();
+        while p.shared.sleeping.load(Ordering::SeqCst) > 0 && t.elapsed() < Duration::from_secs(5) {
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            p.shared.sleeping.load(Ordering::SeqCst),
+            0,
+            "woken by the pass"
+        );
     }
 
     /// Workers told to rest park, and every pass after a rest, at any moment of the parking,
