@@ -399,8 +399,28 @@ mod tests {
         assert_eq!(c.load(Ordering::Relaxed), 100);
     }
 
+    /// How many of a pass's `n` tasks ran.
+    fn tasks_run(p: &Pool, n: usize) -> usize {
+        let c = AtomicUsize::new(0);
+        p.run(n, |_| {
+            c.fetch_add(1, Ordering::Relaxed);
+        });
+        c.load(Ordering::Relaxed)
+    }
+
+    /// The number of parked workers once it equals `n` (waiting up to 5 s), else what it is
+    /// then.
+    fn sleeping_settles_at(p: &Pool, n: usize) -> usize {
+        let t = Instant::now();
+        while p.shared.sleeping.load(Ordering::SeqCst) != n && t.elapsed() < Duration::from_secs(5)
+        {
+            std::thread::yield_now();
+        }
+        p.shared.sleeping.load(Ordering::SeqCst)
+    }
+
     /// Workers told to park between passes do so after every pass, and every pass still runs
-    /// all of its tasks; cleared, they spin again.
+    /// all of its tasks; a pass wakes them.
     #[test]
     fn workers_parking_between_passes_run_every_pass() {
         let p = Pool::new(3);
@@ -409,37 +429,13 @@ mod tests {
             if round % 5 == 0 {
                 std::thread::sleep(Duration::from_micros(round as u64 % 200));
             }
-            let c = AtomicUsize::new(0);
-            p.run(8, |_| {
-                c.fetch_add(1, Ordering::Relaxed);
-            });
-            assert_eq!(c.load(Ordering::Relaxed), 8, "round {round}");
+            assert_eq!(tasks_run(&p, 8), 8, "round {round}");
         }
-        let t = Instant::now();
-        while p.shared.sleeping.load(Ordering::SeqCst) < 2 && t.elapsed() < Duration::from_secs(5) {
-            std::thread::yield_now();
-        }
-        assert_eq!(
-            p.shared.sleeping.load(Ordering::SeqCst),
-            2,
-            "parked after the last pass"
-        );
+        assert_eq!(sleeping_settles_at(&p, 2), 2, "parked after the last pass");
         p.park_between_passes(false);
-        let c = AtomicUsize::new(0);
-        p.run(4, |_| {
-            c.fetch_add(1, Ordering::Relaxed);
-        });
-        assert_eq!(c.load(Ordering::Relaxed), 4);
+        assert_eq!(tasks_run(&p, 4), 4);
         // That pass woke them (they spin and yield again before parking).
-        let t = Instant::now();
-        while p.shared.sleeping.load(Ordering::SeqCst) > 0 && t.elapsed() < Duration::from_secs(5) {
-            std::thread::yield_now();
-        }
-        assert_eq!(
-            p.shared.sleeping.load(Ordering::SeqCst),
-            0,
-            "woken by the pass"
-        );
+        assert_eq!(sleeping_settles_at(&p, 0), 0, "woken by the pass");
     }
 
     /// Workers told to rest park, and every pass after a rest, at any moment of the parking,
@@ -449,11 +445,7 @@ mod tests {
         let p = Pool::new(3);
         p.run(4, |_| {});
         p.rest();
-        let t = Instant::now();
-        while p.shared.sleeping.load(Ordering::SeqCst) < 2 && t.elapsed() < Duration::from_secs(5) {
-            std::thread::yield_now();
-        }
-        assert_eq!(p.shared.sleeping.load(Ordering::SeqCst), 2);
+        assert_eq!(sleeping_settles_at(&p, 2), 2);
         for round in 0..2000usize {
             if round % 2 == 0 {
                 p.rest();
@@ -461,11 +453,7 @@ mod tests {
             if round % 7 == 0 {
                 std::thread::sleep(Duration::from_micros(round as u64 % 300));
             }
-            let c = AtomicUsize::new(0);
-            p.run(8, |_| {
-                c.fetch_add(1, Ordering::Relaxed);
-            });
-            assert_eq!(c.load(Ordering::Relaxed), 8, "round {round}");
+            assert_eq!(tasks_run(&p, 8), 8, "round {round}");
         }
     }
 }
