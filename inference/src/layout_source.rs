@@ -432,9 +432,7 @@ impl WeightSource for LayoutSource {
                 .collect();
             on_group(&views)?;
         }
-        if !waited {
-            crate::kernels::pool::pool().park_between_passes(false);
-        }
+        crate::kernels::pool::pool().park_between_passes(waited);
         Ok(())
     }
 
