@@ -79,7 +79,8 @@ print(json.dumps({'variant': $i, 'round': $r, 'decode_ms': s * 1e3, 'io_ms': io 
                   'overlap_ratio': s / io, 'overlap_ratio_drive_bytes': s / iod,
                   'hit_rate': x.get('decode_expert_cache_hit_rate'),
                   'prefetch_precision': x.get('decode_prefetch_precision'), 'prefetch_recall': x.get('decode_prefetch_recall'),
-                  'repredictions': x.get('fetch', {}).get('repredictions'), 'rank_precision': x.get('prefetch_rank_precision'), 'peak_rss_mib': round(x.get('peak_rss_bytes', 0) / 2**20, 1)}))" | tee -a "$raw"
+                  'repredictions': x.get('fetch', {}).get('repredictions'), 'rank_precision': x.get('prefetch_rank_precision'), 'rank_precision_early': x.get('prefetch_rank_precision_early'), 'peak_rss_mib': round(x.get('peak_rss_bytes', 0) / 2**20, 1),
+                  'tokens': x.get('tokens'), 'fetch': x.get('fetch')}))" | tee -a "$raw"
     done
 done
 python3 - "$raw" "${variants[@]}" <<'PY'

@@ -27,7 +27,7 @@ use crate::layout::open_layout_degraded;
 use crate::lock::{LayoutLock, LockKind};
 use crate::manifest::{Manifest, RecordId};
 use crate::store::cache::{CacheBuffer, CachePolicy, ExpertCache, ExpertKey};
-use crate::store::gate::PrefetchGate;
+use crate::store::gate::{Predictor, PrefetchGate};
 use crate::store::resident::ResidentSet;
 use crate::store::stats::{FetchStats, LoadProgress, StoreStats};
 use crate::store::streamed::{LandedGroup, RecordStream, StreamGroup, StreamStats};
@@ -369,7 +369,10 @@ impl ExpertStore {
             fetch,
             replica_recoveries: self.engine.replica_recoveries(),
             repairs: self.engine.repairs(),
-            prefetch_rank_precision: st.gate.rank_precisions(),
+            prefetch_rank_precision: Some(st.gate.rank_precisions(Predictor::Lookahead))
+                .filter(|r| !r.is_empty())
+                .unwrap_or_else(|| st.gate.rank_precisions(Predictor::Early)),
+            prefetch_rank_precision_early: st.gate.rank_precisions(Predictor::Early),
         }
     }
 

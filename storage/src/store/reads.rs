@@ -19,6 +19,7 @@ use crate::manifest::RecordTensor;
 use crate::store::cache::{ExpertKey, Lookup};
 use crate::store::expert_store::{key_tag, tag_key};
 use crate::store::expert_store::{ExpertStore, StoreState};
+use crate::store::gate::Predictor;
 use crate::stripe::align_up;
 
 /// One routed expert's record, handed over.
@@ -56,7 +57,7 @@ impl ExpertStore {
     /// fill that gap instead.
     pub fn prefetch(&self, layer: u32, experts: &[u32]) {
         let mut st = self.lock();
-        let wanted = st.gate.predict(layer, experts);
+        let wanted = st.gate.predict(layer, Predictor::Early, experts);
         st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
         let fetched_before = layer
             .checked_sub(1)
@@ -347,7 +348,7 @@ impl<'s> ExpertBatch<'s> {
         if layer == self.layer {
             return;
         }
-        let wanted = self.st.gate.predict(layer, experts);
+        let wanted = self.st.gate.predict(layer, Predictor::Lookahead, experts);
         self.st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
         self.st.stats.repredictions += 1;
         let dropped: Vec<ExpertKey> = self

@@ -142,8 +142,11 @@ pub struct StoreStats {
     /// Streamed resident records (a layer's non-expert weights read for every use).
     pub stream: crate::store::streamed::StreamStats,
     /// The prefetch gate's measured precision of each rank of a prediction, likeliest first
-    /// (as of now; a moving average).
+    /// (as of now; a moving average): of the lookahead's predictions, or of the early ones
+    /// where the lookahead did not run.
     pub prefetch_rank_precision: Vec<f64>,
+    /// The same of the early predictions alone (made before the layer before's experts).
+    pub prefetch_rank_precision_early: Vec<f64>,
 }
 
 impl Sub for &StoreStats {

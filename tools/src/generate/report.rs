@@ -29,13 +29,18 @@ fn source_json(l: &Loaded) -> serde_json::Value {
         v.insert("drives".into(), src.drive_count().into());
         v.insert("bytes_read".into(), s.bytes_read.into());
         v.insert("resident_bytes".into(), s.resident_bytes.into());
-        v.insert(
-            "prefetch_rank_precision".into(),
-            s.prefetch_rank_precision
-                .iter()
+        let rounded = |r: &[f64]| {
+            r.iter()
                 .map(|p| (p * 1000.0).round() / 1000.0)
                 .collect::<Vec<f64>>()
-                .into(),
+        };
+        v.insert(
+            "prefetch_rank_precision".into(),
+            rounded(&s.prefetch_rank_precision).into(),
+        );
+        v.insert(
+            "prefetch_rank_precision_early".into(),
+            rounded(&s.prefetch_rank_precision_early).into(),
         );
         v.insert("expert_bytes".into(), s.fetch.read_bytes.into());
         v.insert("experts_fetched".into(), s.fetch.reads.into());
