@@ -90,8 +90,14 @@ impl Default for PrefetchGate {
 impl PrefetchGate {
     /// Record `by`'s prediction for `layer` (likeliest first); returns the experts worth
     /// reading: those at ranks where `by` is still accurate enough, in the prediction's order.
+    /// An early prediction starts a layer's round afresh: a lookahead left from a forward
+    /// that never requested the layer (it failed) is dropped rather than scored later.
     pub fn predict(&mut self, layer: u32, by: Predictor, experts: &[u32]) -> Vec<u32> {
-        self.predicted.entry(layer).or_default()[by as usize] = Some(experts.to_vec());
+        let preds = self.predicted.entry(layer).or_default();
+        if by == Predictor::Early {
+            *preds = Default::default();
+        }
+        preds[by as usize] = Some(experts.to_vec());
         experts
             .iter()
             .enumerate()
@@ -223,7 +229,9 @@ mod tests {
         let early = g.rank_precisions(Predictor::Early);
         assert!(early[0] > 0.99 && early[1] < 0.1, "{early:?}");
         assert!(g.precision() > 0.99, "{}", g.precision());
-        // A layer only predicted early is scored by that prediction.
+        // A layer only predicted early is scored by that prediction, even with a lookahead
+        // left from an earlier round that was never scored.
+        g.predict(6, Predictor::Lookahead, &[9, 10]);
         g.predict(6, Predictor::Early, &[4, 5]);
         let s = g.score(6, &[4]).unwrap_or_default();
         assert_eq!((s.predicted, s.correct), (2, 1));
