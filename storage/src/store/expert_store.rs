@@ -357,6 +357,8 @@ impl ExpertStore {
         };
         let r = *self.resident.lock().unwrap_or_else(|p| p.into_inner());
         let stream = self.record_stream().stats();
+        let early_ranks = st.gate.rank_precisions(Predictor::Early);
+        let lookahead_ranks = st.gate.rank_precisions(Predictor::Lookahead);
         StoreStats {
             resident_records: r.records,
             resident_bytes: r.bytes,
@@ -369,10 +371,12 @@ impl ExpertStore {
             fetch,
             replica_recoveries: self.engine.replica_recoveries(),
             repairs: self.engine.repairs(),
-            prefetch_rank_precision: Some(st.gate.rank_precisions(Predictor::Lookahead))
-                .filter(|r| !r.is_empty())
-                .unwrap_or_else(|| st.gate.rank_precisions(Predictor::Early)),
-            prefetch_rank_precision_early: st.gate.rank_precisions(Predictor::Early),
+            prefetch_rank_precision: if lookahead_ranks.is_empty() {
+                early_ranks.clone()
+            } else {
+                lookahead_ranks
+            },
+            prefetch_rank_precision_early: early_ranks,
         }
     }
 
