@@ -123,15 +123,26 @@ for f in "${formats[@]}"; do
     cat "$d"/*.safetensors "$g" > /dev/null
     for ((r = 0; r < RUNS; r++)); do
         # llama-bench warms up itself (one untimed run) before each test.
-        "$lbin/llama-bench" -m "$g" -t 2 -p "$PROMPT" -n "$DECODE" -r 1 -o jsonl 2>/dev/null |
-            python3 -c "
+        # On CPUs with AMX, llama.cpp's default weight repacking puts Q8_0 / Q4_K projections
+        # into its AMX buffer, and on this model's all-quantized GGUFs its scheduler then
+        # aborts (ggml-backend.cpp: GGML_ASSERT(*cur_backend_id != -1)). A user would then run
+        # it with --repack 0, so the script does, says so, and records it per row.
+        repack=1
+        if ! "$lbin/llama-bench" -m "$g" -t 2 -p "$PROMPT" -n "$DECODE" -r 1 -o jsonl > "$raw.lb" 2> "$raw.lberr"; then
+            echo "llama-bench failed on $g ($(grep -m1 -o 'GGML_ASSERT.*' "$raw.lberr" || tail -c 200 "$raw.lberr")); again with --repack 0" >&2
+            repack=0
+            "$lbin/llama-bench" -m "$g" -t 2 -p "$PROMPT" -n "$DECODE" -r 1 --repack 0 -o jsonl > "$raw.lb"
+        fi
+        python3 -c "
 import json, sys
 for l in sys.stdin:
+    if not l.startswith('{'):
+        continue  # llama-bench's own messages on stdout
     x = json.loads(l)
     kind = 'prefill' if x['n_prompt'] > 0 else 'decode'
     print(json.dumps({'engine': 'llama.cpp', 'format': '$f', 'pair': '$(basename "$g")', 'variant': '$act', 'run': $r, 'kind': kind,
                       'tokens_per_s': x['avg_ts'], 'cpu_info': x.get('cpu_info'),
-                      'model_type': x.get('model_type'), 'n_threads': x.get('n_threads')}))" >> "$raw"
+                      'model_type': x.get('model_type'), 'n_threads': x.get('n_threads'), 'repack': $repack == 1}))" < "$raw.lb" >> "$raw"
         # deltafin: the same measurement in one process (`bench compute`: load, one untimed
         # warm-up generation, then a fresh session for prefill and one for decode).
         "${acts_env[@]}" "$bin" bench compute "$d" --prompt "$PROMPT" --decode "$DECODE" --runs 1 --json 2>/dev/null |
@@ -188,7 +199,7 @@ for t in table:
           f"llama.cpp {t['llama_cpp_tokens_per_s']:7.2f}  paired ratio {t['ratio']:.2f} "
           f"({min(t['paired_ratios']):.2f}-{max(t['paired_ratios']):.2f})")
 PY
-rm -f "$raw"
+rm -f "$raw" "$raw.lb" "$raw.lberr"
 # The plot beside the JSON: bars of the paired ratios.
 plot="$repo/target/release/deltafin-plot"
 [ -x "$plot" ] || cargo build --release -p deltafin --bin deltafin-plot --manifest-path "$repo/Cargo.toml" >&2
