@@ -79,17 +79,7 @@ fn bf16_activations_match_the_rounding_reference() {
                 }
             }
             // Each input alone (decode) equals its row of the product bit for bit.
-            for t in 0..n {
-                let mut one = vec![0f32; rows];
-                m.matmul(&x[t * cols..(t + 1) * cols], 1, &mut one);
-                for r in 0..rows {
-                    assert_eq!(
-                        one[r].to_bits(),
-                        out[t * rows + r].to_bits(),
-                        "{rows}x{cols} n={n}: input {t} row {r} alone differs"
-                    );
-                }
-            }
+            common::assert_each_input_alone_equals_its_row(&m, &x, n, &out);
         }
     }
 }

@@ -173,7 +173,7 @@ pub fn run(a: &BenchComputeArgs) -> anyhow::Result<()> {
         decode.push(rate);
     }
     spans::set_enabled(false);
-    let isa = format!("{:?}", KernelConfig::default().isa);
+    let isa = KernelConfig::default().label();
     let (pm, dm) = (median(prefill.clone()), median(decode.clone()));
     let runs = a.runs.max(1) as f64;
     // Decode runs: `decode + 1` one-position forwards each (the prompt's, then every

@@ -58,7 +58,7 @@ pub(crate) fn rows(
         Inputs::F32(_) if avx2_dense::supports(kind) => l1_input_chunk_of(4 * cols, 3),
         Inputs::F32(_) => l1_input_chunk(4 * cols),
         Inputs::I16(_) => l1_input_chunk(2 * cols + 8 * blocks),
-        Inputs::I8 { .. } | Inputs::Bf16(_) => return first,
+        Inputs::I8 { .. } | Inputs::Bf16(_) | Inputs::Bf16Pairs { .. } => return first,
     };
     let rows = &t.data[(t.r0 + first) * rb..(t.r0 + t.nr) * rb];
     let sc = match t.raw {
@@ -94,7 +94,9 @@ pub(crate) fn rows(
             Inputs::F32(xf) => unsafe {
                 x86::rows_f32_inputs(kind, rows, rb, sc, per_row, xf, t0, nn, cols, out, n)
             },
-            Inputs::I8 { .. } | Inputs::Bf16(_) => unreachable!("returned above"),
+            Inputs::I8 { .. } | Inputs::Bf16(_) | Inputs::Bf16Pairs { .. } => {
+                unreachable!("returned above")
+            }
         }
     }
     t.nr

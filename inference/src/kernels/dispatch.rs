@@ -15,7 +15,7 @@ use crate::kernels::scales::{group_scale_bytes, row_scales};
 use crate::kernels::shape::l1_input_chunk;
 use crate::kernels::shape::{prefetch_l2, KernelShape, BLOCK};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{avx2_q8, x86, x86_avx512, x86_avx512_bf16};
+use crate::kernels::{avx2_q8, x86, x86_amx, x86_avx512, x86_avx512_bf16};
 use crate::linear::matrix::WeightMatrix;
 
 /// One row against `n` inputs: `out[t] = dot(W[row], x[t])`.
@@ -72,6 +72,9 @@ fn row_dot(
             }
             scalar::row_bf16_act(row, x, cols, n, out)
         }
+        // `rows_task` hands these to the AMX tiles; a single row goes the exact f32 way.
+        #[cfg(target_arch = "x86_64")]
+        Inputs::Bf16Pairs { x, .. } => scalar::row_f32(kind, row, scales, x, cols, n, out),
         // x86 takes 8-bit inputs in the 16-bit layout (`prepare`): these are the portable ones.
         Inputs::I8 { q, d } => scalar::row_i8(kind, row, scales, q, d, cols, n, out),
         Inputs::I16(x) => {
@@ -172,7 +175,7 @@ pub fn matmul_many_with(
     let isa = isa.for_format(kind);
     let mut slot = Vec::new();
     let xin = prepare_inputs(isa, kind, cols, act, x, &mut slot);
-    let block = task_rows(kind, cols, n);
+    let block = task_rows(kind, cols, n, act);
     let task = |m: &WeightMatrix<'_>, bi: usize, o: &mut [f32]| {
         rows_task(isa, m, kind, &xin, n, block, bi, o)
     };
@@ -228,7 +231,13 @@ pub(crate) fn untranspose(tmp: &[f32], n: usize, rows: usize, out: &mut [f32]) {
 /// task's bytes fixed, a prefill's projections (32 inputs) were one or two tasks for two
 /// threads, e.g. 910 rows and 114 (MLA's o_proj, INT4 1024x512), or one (q_b, 768 rows):
 /// one thread did most of the work.
-pub(crate) fn task_rows(kind: WeightFormat, cols: usize, n: usize) -> usize {
+///
+/// On the AMX tiles ([`Act::Bf16x2`]) a task's time follows its bytes, not its inputs (16 inputs
+/// per tile cost what one does), so the task is sized as for one input: with 16-row tasks a
+/// 512-token prefill's expert products ran one row block per task and spent their time setting
+/// up tiles (`AMX_TASK_BYTES_ONLY` in benches/results/amx_session35.txt).
+pub(crate) fn task_rows(kind: WeightFormat, cols: usize, n: usize, act: Act) -> usize {
+    let n = if act == Act::Bf16x2 { 1 } else { n };
     let runs = n.div_ceil(4).max(1);
     (TASK_BYTES / (kind.row_len(cols).max(1) * runs)).clamp(MIN_TASK_ROWS, 1024)
 }
@@ -255,6 +264,16 @@ pub(crate) fn rows_task(
     let data = m.data_bytes();
     let r0 = bi * block;
     let nr = o.len() / n;
+    #[cfg(target_arch = "x86_64")]
+    if let Inputs::Bf16Pairs { pairs, .. } = xin {
+        if kind == WeightFormat::Bf16 && kind.simd_shape(cols) && x86_amx::available() {
+            // SAFETY: `available()` and `simd_shape` (cols a multiple of 32) were checked; the
+            // task's rows are `rb = 2 * cols` bytes each and `pairs` holds the call's `n`
+            // inputs of `cols` (checked by `matmul`), `o` `nr * n` outputs.
+            unsafe { x86_amx::rows_task(&data[r0 * rb..(r0 + nr) * rb], rb, pairs, cols, o) };
+            return;
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if let Inputs::Bf16(xf) = xin {
         if kind == WeightFormat::Bf16 && kind.simd_shape(cols) && x86_avx512_bf16::available() {
@@ -504,7 +523,9 @@ pub(crate) fn rows_task(
                                 [a, b],
                             )
                         },
-                        Inputs::I8 { .. } | Inputs::Bf16(_) => unreachable!("f32_path or i16_path"),
+                        Inputs::I8 { .. } | Inputs::Bf16(_) | Inputs::Bf16Pairs { .. } => {
+                            unreachable!("f32_path or i16_path")
+                        }
                     }
                     p += 2;
                 }

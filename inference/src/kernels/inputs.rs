@@ -19,6 +19,13 @@ pub enum Inputs<'x> {
     I16(I16Inputs),
     /// `[n, cols]` f32 that the kernels round to BF16 ([`super::Act::Bf16`], BF16 weights).
     Bf16(&'x [f32]),
+    /// `[n, cols]` f32 (`x`) split into BF16 pairs for the AMX tiles ([`super::Act::Bf16x2`],
+    /// BF16 weights); `x` for any path that takes f32 instead.
+    #[cfg(target_arch = "x86_64")]
+    Bf16Pairs {
+        x: &'x [f32],
+        pairs: super::x86_amx::Bf16Pairs,
+    },
 }
 
 /// Inputs quantized to 16 bits per 32-value block: `x ~ d[b] * (256 * hi + lo)`.

@@ -150,6 +150,10 @@ pub enum Act {
     /// Rounded to BF16 and multiplied by AVX-512 BF16 `vdpbf16ps` (BF16 weights only, opt-in:
     /// llama.cpp's BF16 precision, not the fixtures').
     Bf16,
+    /// Split into two BF16 values (`hi + lo`, about 2^-17 relative) and multiplied by AMX tiles
+    /// (BF16 weights on CPUs with AMX-BF16; `kernels/x86_amx.rs`). Within the fixtures'
+    /// tolerance; opt-in (`DELTAFIN_AMX=on`): faster prefill, slower decode.
+    Bf16x2,
 }
 
 /// Which kernels a model's matrices run: the instruction set, and whether the integer formats
@@ -165,6 +169,9 @@ pub struct KernelConfig {
     pub bf16_activations: bool,
     /// 8-bit activations ([`Act::I8`]) for INT4 / MXFP4 / Q8 where the SIMD kernels run.
     pub i8_activations: bool,
+    /// BF16 weights on the AMX tiles ([`Act::Bf16x2`], opt-in) where the CPU has AMX-BF16 and
+    /// the AVX-512 kernels run.
+    pub amx: bool,
 }
 
 impl Default for KernelConfig {
@@ -182,6 +189,7 @@ impl KernelConfig {
             f32_activations: false,
             bf16_activations: false,
             i8_activations: false,
+            amx: false,
         }
     }
 
@@ -192,12 +200,14 @@ impl KernelConfig {
             f32_activations: false,
             bf16_activations: false,
             i8_activations: false,
+            amx: false,
         }
     }
 
     /// The default: the best kernels, capped by `DELTAFIN_KERNELS=scalar|avx2|avxvnni`, with
     /// `DELTAFIN_ACTIVATIONS=f32` forcing f32 activations, `DELTAFIN_ACTIVATIONS=bf16` asking
-    /// for [`Act::Bf16`] and `DELTAFIN_ACTIVATIONS=i8` for [`Act::I8`] (read once per process).
+    /// for [`Act::Bf16`] and `DELTAFIN_ACTIVATIONS=i8` for [`Act::I8`], and `DELTAFIN_AMX=on`
+    /// for [`Act::Bf16x2`] (read once per process).
     pub fn from_env() -> KernelConfig {
         static FROM_ENV: OnceLock<KernelConfig> = OnceLock::new();
         *FROM_ENV.get_or_init(|| {
@@ -212,8 +222,22 @@ impl KernelConfig {
                 f32_activations: acts.eq_ignore_ascii_case("f32"),
                 bf16_activations: acts.eq_ignore_ascii_case("bf16"),
                 i8_activations: acts.eq_ignore_ascii_case("i8"),
+                amx: matches!(
+                    std::env::var("DELTAFIN_AMX").unwrap_or_default().as_str(),
+                    "on" | "1"
+                ),
             }
         })
+    }
+
+    /// The instruction set's name, with `+AMX` where BF16 weights run on the AMX tiles
+    /// ([`Act::Bf16x2`]): what benchmark records say the kernels were.
+    pub fn label(&self) -> String {
+        if self.act(WeightFormat::Bf16) == Act::Bf16x2 {
+            format!("{:?}+AMX", self.isa)
+        } else {
+            format!("{:?}", self.isa)
+        }
     }
 
     /// The activation precision `format` runs with: [`Act::I16`] for the integer formats on
@@ -221,8 +245,19 @@ impl KernelConfig {
     /// memory speed; AVX2: INT4 / MXFP4 twice the f32 kernels' speed, Q8 1.0-1.4x), f32
     /// elsewhere (NEON has no 16-bit kernels yet) or when f32 activations are asked for;
     /// [`Act::Bf16`] for BF16 weights when asked for and the CPU has AVX-512 BF16 (without it,
-    /// f32: the exact path, never an emulation).
+    /// f32: the exact path, never an emulation); otherwise [`Act::Bf16x2`] for BF16 weights
+    /// when AMX is asked for and the AVX-512 kernels run on a CPU with AMX-BF16.
     pub fn act(&self, format: WeightFormat) -> Act {
+        #[cfg(target_arch = "x86_64")]
+        if self.amx
+            && !self.bf16_activations
+            && !self.f32_activations
+            && format == WeightFormat::Bf16
+            && self.isa.has_avx512()
+            && super::x86_amx::available()
+        {
+            return Act::Bf16x2;
+        }
         #[cfg(target_arch = "x86_64")]
         if self.bf16_activations
             && format == WeightFormat::Bf16

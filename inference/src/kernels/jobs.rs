@@ -77,6 +77,8 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
         RoundedToBf16,
         Reordered(usize),
         Quantized(Inputs<'static>),
+        #[cfg(target_arch = "x86_64")]
+        Pairs(crate::kernels::x86_amx::Bf16Pairs),
     }
     let mut reordered: Vec<Vec<f32>> = Vec::new();
     let places: Vec<Place> = prepared
@@ -89,6 +91,8 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
                 Place::Reordered(reordered.len() - 1)
             }
             Prepared::Quantized(q) => Place::Quantized(q),
+            #[cfg(target_arch = "x86_64")]
+            Prepared::Pairs(p) => Place::Pairs(p),
         })
         .collect();
     let unique: Vec<Inputs<'_>> = places
@@ -99,6 +103,8 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
             Place::RoundedToBf16 => Inputs::Bf16(x),
             Place::Reordered(j) => Inputs::F32(&reordered[j]),
             Place::Quantized(q) => q,
+            #[cfg(target_arch = "x86_64")]
+            Place::Pairs(pairs) => Inputs::Bf16Pairs { x, pairs },
         })
         .collect();
     // What the tasks read of each job, apart from its output.
@@ -118,7 +124,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
     {
         let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
         for (i, (j, tmp)) in jobs.iter_mut().zip(tmps.iter_mut()).enumerate() {
-            let block = task_rows(j.m.format(), j.m.cols(), j.n);
+            let block = task_rows(j.m.format(), j.m.cols(), j.n, plan[i].1);
             let (buf, chunk): (&mut [f32], usize) = if j.n > 1 {
                 (tmp.as_mut_slice(), block * j.n)
             } else {
@@ -130,7 +136,7 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
             let (i, bi) = (*i, *bi);
             let (m, n) = metas[i];
             let kind = m.format();
-            let block = task_rows(kind, m.cols(), n);
+            let block = task_rows(kind, m.cols(), n, plan[i].1);
             rows_task(plan[i].0, m, kind, &unique[input_of[i]], n, block, bi, o);
         });
     }

@@ -32,6 +32,12 @@
 //!   BF16: inputs rounded to BF16 and multiplied by `vdpbf16ps` (`x86_avx512_bf16`), llama.cpp's
 //!   BF16 precision at twice the f32 multiply rate; beyond the fixtures' tolerance (about 2x), so
 //!   never the default. Without AVX-512 BF16 it is f32.
+//! - [`Act::Bf16x2`]: opt-in (`DELTAFIN_AMX=on`), BF16 weights on CPUs with AMX-BF16 (`x86_amx`):
+//!   each f32 input split into two BF16 values (`hi + lo`, about 2^-17 relative, within the
+//!   fixtures' tolerance), multiplied by `tdpbf16ps` tiles for one input and many alike (one
+//!   path, so decode equals prefill bit for bit). A 512-token BF16 prefill runs 1.3x faster; a
+//!   decode step 20% slower, because tiles of 16 rows stream a matrix from DRAM slower than the
+//!   f32 path's row-by-row reads (`benches/results/amx_session35.txt`), hence not the default.
 //!
 //! Files: [`isa`] (instruction sets, [`KernelConfig`]), [`shape`] (the 32-column block),
 //! [`inputs`] / [`quantize_inputs`] / `prepare` (inputs prepared once per call), [`scales`] (scales as f32),
@@ -72,6 +78,8 @@ pub mod vector_decode;
 pub mod vector_tiles;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_amx;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;
 #[cfg(target_arch = "x86_64")]

@@ -32,6 +32,8 @@ pub(crate) fn prepare_inputs<'x>(
             Inputs::F32(slot)
         }
         Prepared::Quantized(q) => q,
+        #[cfg(target_arch = "x86_64")]
+        Prepared::Pairs(pairs) => Inputs::Bf16Pairs { x, pairs },
     }
 }
 
@@ -48,6 +50,9 @@ pub(crate) enum Prepared {
     Reordered(Vec<f32>),
     /// `x` quantized (the integer formats' 8- and 16-bit paths).
     Quantized(Inputs<'static>),
+    /// `x` split into BF16 pairs for the AMX tiles ([`Act::Bf16x2`]).
+    #[cfg(target_arch = "x86_64")]
+    Pairs(crate::kernels::x86_amx::Bf16Pairs),
 }
 
 /// See [`prepare_inputs`].
@@ -72,6 +77,10 @@ pub(crate) fn prepare_owned(
             return Prepared::Quantized(Inputs::I16(quantize_inputs_i16(isa, kind, x, cols)))
         }
         _ => {}
+    }
+    #[cfg(target_arch = "x86_64")]
+    if act == Act::Bf16x2 && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {
+        return Prepared::Pairs(crate::kernels::x86_amx::Bf16Pairs::new(x, cols));
     }
     #[cfg(target_arch = "x86_64")]
     if act == Act::Bf16 && kind == WeightFormat::Bf16 && kind.simd_shape(cols) {

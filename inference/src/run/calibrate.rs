@@ -171,7 +171,7 @@ pub fn calibrate(formats: &[String]) -> ComputeRates {
     ComputeRates {
         matvec_bytes_per_s: matvec,
         matmul_macs_per_s: matmul,
-        kernels: format!("{:?}", kernels.isa),
+        kernels: kernels.label(),
         threads: rayon::current_num_threads(),
     }
 }

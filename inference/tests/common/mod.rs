@@ -139,3 +139,25 @@ pub fn synth_preset(dir: &Path, arch: &str, seed: u64, sets: &[&str]) {
     )
     .unwrap();
 }
+
+/// Each of the `n` inputs in `x` alone (decode) through `m` equals its row of `all` (the
+/// product of all `n` at once, `[n, m.rows()]`) bit for bit.
+pub fn assert_each_input_alone_equals_its_row(
+    m: &deltafin_inference::linear::WeightMatrix<'_>,
+    x: &[f32],
+    n: usize,
+    all: &[f32],
+) {
+    let (rows, cols) = (m.rows(), m.cols());
+    for t in 0..n {
+        let mut one = vec![0f32; rows];
+        m.matmul(&x[t * cols..(t + 1) * cols], 1, &mut one);
+        for r in 0..rows {
+            assert_eq!(
+                one[r].to_bits(),
+                all[t * rows + r].to_bits(),
+                "{rows}x{cols} n={n}: input {t} row {r} alone differs"
+            );
+        }
+    }
+}

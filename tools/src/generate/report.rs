@@ -166,7 +166,7 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
         "peak_rss_bytes": m.peak_rss,
         "next_layer_prefetch": loaded.opened.model.next_layer_prefetch(),
         "machine": machine(),
-        "kernels": format!("{:?}", deltafin_inference::KernelConfig::default().isa),
+        "kernels": deltafin_inference::KernelConfig::default().label(),
     });
     if let (Some(obj), serde_json::Value::Object(src)) = (v.as_object_mut(), source_json(loaded)) {
         obj.extend(src);
