@@ -274,8 +274,8 @@ pub unsafe fn rows_task(data: &[u8], rb: usize, x: &Bf16Pairs, cols: usize, o: &
             // weights stream from DRAM at little work per byte. A tile's 16 rows side by side
             // are then 16 interleaved streams within a few pages, which the hardware
             // prefetcher does not follow: each tile takes every `sp`-th row instead, rows
-            // `SPAN_BYTES` apart (one input from DRAM: 1024-byte rows 13.2-14.0 -> 18.3-18.8
-            // GMAC/s, f32 path 19.9-20.3; 512-byte rows 19.2-20.4 -> 22.5, f32 22.3). Full
+            // `SPAN_BYTES` apart (one input from DRAM: 2048-byte rows 13.2-14.0 -> 18.3-18.8
+            // GMAC/s, f32 path 19.9-20.3; 1024-byte rows 19.2-20.4 -> 22.5, f32 22.3). Full
             // tiles of inputs keep four neighbouring blocks per pass (230 vs 171-180 GMAC/s
             // with spans at 32 inputs).
             let sp = (SPAN_BYTES / rb).max(1);
