@@ -64,6 +64,9 @@ fn amx_products_match_the_f32_reference_and_decode_equals_prefill() {
         (70, 1024),
         (130, 512),
         (7, 2048),
+        // Tasks of 128 rows of 2 KiB (sized by bytes): with fewer than 16 inputs each is one
+        // span of rows 16 KiB apart, and a tail after.
+        (300, 1024),
     ] {
         let w = values(rows * cols, rows as u64 * 31 + cols as u64, 0.2);
         let (format, data, scale, st) = packed_matrix("bf16", &w, rows, cols);

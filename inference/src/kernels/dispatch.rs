@@ -72,7 +72,9 @@ fn row_dot(
             }
             scalar::row_bf16_act(row, x, cols, n, out)
         }
-        // `rows_task` hands these to the AMX tiles; a single row goes the exact f32 way.
+        // `rows_task` hands these to the AMX tiles whenever `KernelConfig::act` could pick
+        // them (AMX available) and `prepare` made them (`simd_shape`), so this is not reached;
+        // if it were, f32 (not the tiles' arithmetic: decode would then differ from prefill).
         #[cfg(target_arch = "x86_64")]
         Inputs::Bf16Pairs { x, .. } => scalar::row_f32(kind, row, scales, x, cols, n, out),
         // x86 takes 8-bit inputs in the 16-bit layout (`prepare`): these are the portable ones.
@@ -235,7 +237,7 @@ pub(crate) fn untranspose(tmp: &[f32], n: usize, rows: usize, out: &mut [f32]) {
 /// On the AMX tiles ([`Act::Bf16x2`]) a task's time follows its bytes, not its inputs (16 inputs
 /// per tile cost what one does), so the task is sized as for one input: with 16-row tasks a
 /// 512-token prefill's expert products ran one row block per task and spent their time setting
-/// up tiles (`AMX_TASK_BYTES_ONLY` in benches/results/amx_session35.txt).
+/// up tiles (152-168 vs 228-230 GMAC/s at 32 inputs; benches/results/amx_session35.txt, 4.).
 pub(crate) fn task_rows(kind: WeightFormat, cols: usize, n: usize, act: Act) -> usize {
     let n = if act == Act::Bf16x2 { 1 } else { n };
     let runs = n.div_ceil(4).max(1);

@@ -150,7 +150,8 @@ pub enum Act {
     /// Rounded to BF16 and multiplied by AVX-512 BF16 `vdpbf16ps` (BF16 weights only, opt-in:
     /// llama.cpp's BF16 precision, not the fixtures').
     Bf16,
-    /// Split into two BF16 values (`hi + lo`, about 2^-17 relative) and multiplied by AMX tiles
+    /// Split into two BF16 values (`hi + lo`, about 2^-17 relative; the tiles read denormal
+    /// values as zero and flush denormal results, as `DAZ`/`FTZ` would) and multiplied by AMX tiles
     /// (BF16 weights on CPUs with AMX-BF16; `kernels/x86_amx.rs`). Within the fixtures'
     /// tolerance; opt-in (`DELTAFIN_AMX=on`): faster prefill, slower decode.
     Bf16x2,
@@ -222,10 +223,10 @@ impl KernelConfig {
                 f32_activations: acts.eq_ignore_ascii_case("f32"),
                 bf16_activations: acts.eq_ignore_ascii_case("bf16"),
                 i8_activations: acts.eq_ignore_ascii_case("i8"),
-                amx: matches!(
-                    std::env::var("DELTAFIN_AMX").unwrap_or_default().as_str(),
-                    "on" | "1"
-                ),
+                amx: {
+                    let v = std::env::var("DELTAFIN_AMX").unwrap_or_default();
+                    v.eq_ignore_ascii_case("on") || v == "1"
+                },
             }
         })
     }

@@ -34,11 +34,11 @@
 //!   never the default. Without AVX-512 BF16 it is f32.
 //! - [`Act::Bf16x2`]: opt-in (`DELTAFIN_AMX=on`), BF16 weights on CPUs with AMX-BF16 (`x86_amx`):
 //!   each f32 input split into two BF16 values (`hi + lo`, about 2^-17 relative, within the
-//!   fixtures' tolerance), multiplied by `tdpbf16ps` tiles for one input and many alike (one
-//!   path, so decode equals prefill bit for bit). A 512-token BF16 prefill runs 1.64x faster, a
-//!   32-token one 1.19x, a decode step 7% slower: tiles of 16 rows stream a matrix from DRAM
-//!   slower than the f32 path's row-by-row reads (`benches/results/amx_session35.txt`), hence
-//!   not the default.
+//!   fixtures' tolerance; denormals read as zero, as the tiles do), multiplied by `tdpbf16ps`
+//!   tiles for one input and many alike (one path, so decode equals prefill bit for bit). A
+//!   512-token BF16 prefill runs 1.64x faster, a 32-token one 1.19x, a decode step 7% slower:
+//!   tiles of 16 rows stream a matrix from DRAM slower than the f32 path's row-by-row reads
+//!   (`benches/results/amx_session35.txt`), hence not the default.
 //!
 //! Files: [`isa`] (instruction sets, [`KernelConfig`]), [`shape`] (the 32-column block),
 //! [`inputs`] / [`quantize_inputs`] / `prepare` (inputs prepared once per call), [`scales`] (scales as f32),

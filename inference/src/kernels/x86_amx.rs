@@ -8,7 +8,9 @@
 //! split into two BF16 values, `hi = bf16(x)` and `lo = bf16(x - hi)`, and every tile is
 //! multiplied by both: `w * x ~ w * hi + w * lo` with a relative error of about 2^-17 per
 //! input, against the f32 path's 2^-24 rounding of each product sum. Weights are BF16 already:
-//! exact in either.
+//! exact in either. One more difference: the tiles read denormal BF16 values as zero and flush
+//! denormal results (below 2^-126), so inputs under about 2^-117 lose their lo half and
+//! denormal weights count as zero; the f32 path keeps them.
 //!
 //! Layout: the weight rows are read where they lie (a tile is 16 rows of 64 bytes, the rows
 //! `2 * cols` bytes apart), so the product is computed transposed, `C[row][input]`, with the
@@ -475,10 +477,13 @@ mod tests {
             (64, 64, 16),
             (83, 160, 33),
             (5, 32, 17),
-            // Spans of rows `SPAN_BYTES` apart (rows of 2 KiB, 1 KiB, 512 B), then blocks and a
-            // tail.
-            (90, 1024, 3),
-            (150, 512, 1),
+            // Spans of rows `SPAN_BYTES` apart (a span is 16 KiB / row bytes x 16 rows), then
+            // blocks and a tail: rows of 2 KiB with one input and three, 1 KiB, 512 B; and 4 KiB
+            // rows against 20 inputs (the second group of four takes spans, the first not, and
+            // input 0 alone takes spans again).
+            (290, 1024, 1),
+            (300, 1024, 3),
+            (530, 512, 1),
             (530, 256, 2),
             (300, 2048, 20),
         ] {
