@@ -14,6 +14,7 @@ use crate::kernels::scales::{group_scale_bytes, row_scales};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::shape::l1_input_chunk;
 use crate::kernels::shape::{prefetch_l2, KernelShape, BLOCK};
+use crate::kernels::tasks::{task_rows, untranspose};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{avx2_q8, x86, x86_amx, x86_avx512, x86_avx512_bf16};
 use crate::linear::matrix::WeightMatrix;
@@ -132,11 +133,6 @@ pub fn matmul(m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32]) {
     matmul_with(k.isa, m, x, n, out, k.act(m.format()))
 }
 
-/// Weight bytes per task: large enough that task overhead (scale conversion, scheduling)
-/// stays small against streaming them from DRAM, small enough to balance two to a few dozen
-/// threads on a 2048-row expert matrix.
-const TASK_BYTES: usize = 256 << 10;
-
 /// [`matmul`] on a chosen instruction set (falls back to scalar if `isa` is unavailable).
 pub fn matmul_with(isa: Isa, m: &WeightMatrix<'_>, x: &[f32], n: usize, out: &mut [f32], act: Act) {
     matmul_many_with(isa, &[m], x, n, &mut [out], act)
@@ -211,42 +207,6 @@ pub fn matmul_many_with(
         untranspose(tmp, n, m.rows(), out);
     }
 }
-
-/// `out[t * rows + r] = tmp[r * n + t]` (`tmp` is `[rows, n]`, `out` `[n, rows]`), 16 rows at a
-/// time so that each output row is written in runs of 16 and the 16 rows read stay in L1: a
-/// row-by-row loop stored one value per cache line and took a fifth of a 32-input product.
-pub(crate) fn untranspose(tmp: &[f32], n: usize, rows: usize, out: &mut [f32]) {
-    const R: usize = 16;
-    for r0 in (0..rows).step_by(R) {
-        let nr = R.min(rows - r0);
-        let block = &tmp[r0 * n..(r0 + nr) * n];
-        for (t, orow) in out.chunks_mut(rows).enumerate().take(n) {
-            for (i, o) in orow[r0..r0 + nr].iter_mut().enumerate() {
-                *o = block[i * n + t];
-            }
-        }
-    }
-}
-
-/// Rows per task for rows of `kind` `cols` wide against `n` inputs: [`TASK_BYTES`] of weights
-/// per run of 4 inputs, so that a task's work, not its bytes, stays about the same. With a
-/// task's bytes fixed, a prefill's projections (32 inputs) were one or two tasks for two
-/// threads, e.g. 910 rows and 114 (MLA's o_proj, INT4 1024x512), or one (q_b, 768 rows):
-/// one thread did most of the work.
-///
-/// On the AMX tiles ([`Act::Bf16x2`]) a task's time follows its bytes, not its inputs (16 inputs
-/// per tile cost what one does), so the task is sized as for one input: with 16-row tasks a
-/// 512-token prefill's expert products ran one row block per task and spent their time setting
-/// up tiles (152-168 vs 228-230 GMAC/s at 32 inputs; benches/results/amx_session35.txt, 4.).
-pub(crate) fn task_rows(kind: WeightFormat, cols: usize, n: usize, act: Act) -> usize {
-    let n = if act == Act::Bf16x2 { 1 } else { n };
-    let runs = n.div_ceil(4).max(1);
-    (TASK_BYTES / (kind.row_len(cols).max(1) * runs)).clamp(MIN_TASK_ROWS, 1024)
-}
-
-/// The fewest rows a task takes (the row kernels' tiles are up to 8 rows; a task's set-up,
-/// scales and scheduling stay small against 16 rows of a prefill chunk's inputs).
-const MIN_TASK_ROWS: usize = 16;
 
 /// Rows `bi * block ..` of `m` (as many as `o` holds, `n` outputs each) against prepared
 /// inputs: one task of [`matmul_many_with`].

@@ -7,10 +7,11 @@
 
 use crate::kernels::pool::pool;
 
-use crate::kernels::dispatch::{rows_task, task_rows, untranspose};
+use crate::kernels::dispatch::rows_task;
 use crate::kernels::inputs::Inputs;
 use crate::kernels::isa::Isa;
 use crate::kernels::prepare::{prepare_owned, Prepared};
+use crate::kernels::tasks::{task_rows, untranspose};
 use crate::linear::matrix::WeightMatrix;
 
 /// `out = x @ m^T`: `x` is `[n, m.cols()]`, `out` is `[n, m.rows()]`.

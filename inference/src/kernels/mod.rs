@@ -42,7 +42,7 @@
 //!
 //! Files: [`isa`] (instruction sets, [`KernelConfig`]), [`shape`] (the 32-column block),
 //! [`inputs`] / [`quantize_inputs`] / `prepare` (inputs prepared once per call), [`scales`] (scales as f32),
-//! [`dispatch`] (tasks and per-row dispatch; `avx2_rows`: a task's rows on AVX2, `avx2_dense`:
+//! [`dispatch`] (per-row dispatch; `tasks`: rows per task and the transposed scratch; `avx2_rows`: a task's rows on AVX2, `avx2_dense`:
 //! its register tiles for the unscaled formats), [`jobs`] (many products in one pass), and the per-ISA kernels [`scalar`], `x86`,
 //! `x86_avx512`, `aarch64`.
 //!
@@ -74,6 +74,7 @@ pub mod quantize_inputs;
 pub mod scalar;
 pub mod scales;
 pub mod shape;
+pub(crate) mod tasks;
 pub mod vector;
 pub mod vector_decode;
 pub mod vector_tiles;
