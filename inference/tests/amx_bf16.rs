@@ -10,12 +10,7 @@ use deltafin_inference::kernels::{matmul_jobs, scalar, Act, KernelConfig, Matmul
 use deltafin_inference::linear::WeightMatrix;
 use deltafin_inference::run::calibrate::packed_matrix;
 
-fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    common::lcg_values(n, seed)
-        .into_iter()
-        .map(|v| v * scale)
-        .collect()
-}
+use common::lcg_scaled as values;
 
 fn config() -> Option<KernelConfig> {
     let k = KernelConfig {

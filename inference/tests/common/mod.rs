@@ -74,6 +74,14 @@ impl Reference {
 }
 
 /// `len` deterministic pseudo-random values in [-0.5, 0.5) (a 64-bit LCG from `seed`).
+/// [`lcg_values`] times `scale`.
+pub fn lcg_scaled(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+    lcg_values(len, seed)
+        .into_iter()
+        .map(|v| v * scale)
+        .collect()
+}
+
 pub fn lcg_values(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
     (0..len)
