@@ -164,11 +164,6 @@ impl Bf16Pairs {
         Bf16Pairs { data, cols, n }
     }
 
-    /// Number of inputs.
-    pub fn n(&self) -> usize {
-        self.n
-    }
-
     /// Offset (in pairs) of group `g`'s hi plane and its number of inputs.
     fn group_at(cols: usize, n: usize, g: usize) -> (usize, usize) {
         let m = TILE_INPUTS.min(n - g * TILE_INPUTS);
