@@ -116,6 +116,13 @@ impl<'a> CacheWarmer<'a> {
     }
 }
 
+/// Whether layers warm the next one's attention weights while waiting for experts (on unless
+/// `DELTAFIN_WARM=0`, for measuring it).
+pub fn warm_while_waiting() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DELTAFIN_WARM").map_or(true, |v| v != "0"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

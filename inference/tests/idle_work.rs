@@ -109,7 +109,8 @@ fn idle_work_runs_while_experts_are_read_and_changes_nothing() {
 
 /// Generation over a paced drive, where every layer waits, warms the next one's weights and
 /// runs the next one's mixer on its partial output to predict that layer's experts
-/// (`model/lookahead.rs`, rolling the mixer's state back after), gives the greedy tokens of
+/// (`model/lookahead.rs`, rolling the mixer's state back after), and whose last layer guesses
+/// the next token and runs the first layers on it (`model/boundary.rs`), gives the greedy tokens of
 /// generation from the checkpoint in memory, on every synthetic architecture; each one's
 /// layers have matrices to warm.
 #[test]
@@ -138,6 +139,10 @@ fn generation_that_warms_while_waiting_keeps_its_tokens() {
         );
         // The next layer's mixer ran on partial outputs (its state rolled back each time).
         assert!(fetch.repredictions > 0, "{arch}: no lookahead");
+        // The last layer guessed the next token and ran the first layers on it, each state
+        // rolled back (`model/boundary.rs`): compared with the token that came.
+        let (_, guesses) = model.token_guess_agreement();
+        assert!(guesses > 0, "{arch}: no next-token guess was compared");
         for slot in model.layers() {
             if let LayerSlot::Resident(l) = slot {
                 assert!(

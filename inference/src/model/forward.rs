@@ -10,6 +10,9 @@ use crate::error::{InferenceError, Result};
 use crate::ffn::feed_forward::FfnContext;
 use crate::kernels::isa::KernelConfig;
 use crate::linear::owned::Linear;
+use crate::model::boundary::{
+    next_token_prefetch_enabled, settle_token_guess, NextTokenGuesser, TokenAgreement,
+};
 use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
 use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
 use crate::model::lookahead::{lookahead_enabled, predict_from_partial, LOOKAHEAD_MAX_POSITIONS};
@@ -18,7 +21,7 @@ use crate::model::routing_counts::RoutingCounts;
 use crate::model::session::{OutputStates, Session};
 use crate::ops::RmsNorm;
 use crate::spans::{span, timed, Phase};
-use crate::warm::{warm_budget, CacheWarmer, WARM_STEP_BYTES};
+use crate::warm::{warm_budget, warm_while_waiting, CacheWarmer, WARM_STEP_BYTES};
 use crate::weights::WeightSource;
 
 static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
@@ -46,6 +49,8 @@ pub struct Model {
     weights_digest: [u8; 32],
     /// Expert choices counted while recording ([`Model::record_routing`]).
     routing: std::sync::Mutex<Option<RoutingCounts>>,
+    /// How often next-token guesses held ([`crate::model::boundary`]).
+    token_agreement: TokenAgreement,
 }
 
 /// A streamed layer built over its weights for one forward. The layer is declared first so it
@@ -126,6 +131,25 @@ impl Model {
             prefetch,
             weights_digest,
             routing: std::sync::Mutex::new(None),
+            token_agreement: TokenAgreement::default(),
+        }
+    }
+
+    /// How often next-token guesses matched the token that followed (moving average) and how
+    /// many were compared ([`crate::model::boundary`]).
+    pub fn token_guess_agreement(&self) -> (f64, u64) {
+        self.token_agreement.figures()
+    }
+
+    fn guesser(&self) -> NextTokenGuesser<'_> {
+        NextTokenGuesser {
+            layers: &self.layers,
+            embed_tokens: &self.embed_tokens,
+            norm: &self.norm,
+            head: self.lm_head.as_ref().unwrap_or(&self.embed_tokens),
+            residual: &*self.residual,
+            source: &*self.source,
+            agreement: &self.token_agreement,
         }
     }
 
@@ -185,15 +209,6 @@ impl Model {
         &self.layers
     }
 
-    /// Decoder layers whose weights are read from the drives for every forward.
-    pub fn streamed_layers(&self) -> Vec<usize> {
-        self.layers
-            .iter()
-            .filter(|l| l.is_streamed())
-            .map(LayerSlot::index)
-            .collect()
-    }
-
     /// Streamed layer `li` built over its weights: waiting for them (`wait`), or `None` unless
     /// they have been read already.
     fn hold_layer(&self, li: usize, wait: bool) -> Result<Option<HeldLayer<'_>>> {
@@ -225,32 +240,6 @@ impl Model {
     pub fn weights_digest(&self) -> &[u8; 32] {
         &self.weights_digest
     }
-    /// Bytes of per-sequence state each position adds (KV caches), summed over the layers.
-    pub fn state_bytes_per_position(&self) -> u64 {
-        self.layers
-            .iter()
-            .map(|l| l.state_bytes_per_position() as u64)
-            .sum()
-    }
-
-    /// Bytes of per-sequence state that do not grow with the context (recurrent states),
-    /// summed over the layers.
-    pub fn fixed_state_bytes(&self) -> u64 {
-        self.layers
-            .iter()
-            .map(|l| l.fixed_state_bytes() as u64)
-            .sum()
-    }
-
-    /// The longest forward a truncate can return into at any position (`None`: no limit; see
-    /// [`TokenMixer::rollback_window`](crate::mixer::TokenMixer::rollback_window)).
-    pub fn rollback_window(&self) -> Option<usize> {
-        self.layers
-            .iter()
-            .filter_map(LayerSlot::rollback_window)
-            .min()
-    }
-
     /// End-of-sequence ids from the config.
     pub fn eos_token_ids(&self) -> &[u32] {
         self.config.eos_token_ids()
@@ -263,6 +252,7 @@ impl Model {
             states: self.layers.iter().map(LayerSlot::new_state).collect(),
             len: 0,
             outputs: None,
+            token_guess: None,
         }
     }
 
@@ -375,6 +365,14 @@ impl Model {
             ev.decode_row(*t as usize, row);
         }
         drop(embed_span);
+        // The layer a guess of this token predicted, if the guess held: no early prediction.
+        let guessed_layer = settle_token_guess(
+            &self.token_agreement,
+            session.token_guess.take(),
+            session.len,
+            tokens,
+        );
+        let mut token_guess = None;
         if let Some(tr) = trace.as_deref_mut() {
             *tr = ForwardTrace::default();
             tr.hidden_states.push(emb.clone());
@@ -427,7 +425,7 @@ impl Model {
                 }
                 None => None,
             };
-            if let Some(next) = next {
+            if let Some(next) = next.filter(|l| Some(l.index) != guessed_layer) {
                 let _predict_span = span(Phase::Predict);
                 let xn = next
                     .post_attention_layernorm
@@ -477,15 +475,42 @@ impl Model {
                     && lookahead_enabled()
                     && n <= LOOKAHEAD_MAX_POSITIONS
             });
-            let mut next_state = session.states.get_mut(li + 1);
+            // The last layer guesses the next token instead (`boundary`): decode only.
+            let guess_here = li + 1 == self.layers.len()
+                && n == 1
+                && self.source.wants_prefetch()
+                && self.next_layer_prefetch()
+                && lookahead_enabled()
+                && next_token_prefetch_enabled();
+            let (states_to_here, states_after) = session.states.split_at_mut(li + 1);
+            let mut next_state = states_after.first_mut();
             let residual = &*self.residual;
             let streams_now = &streams;
-            let mut lookahead = |partial: &[f32]| match (lookahead_next, next_state.as_deref_mut())
-            {
-                (Some(next), Some(state)) => {
-                    predict_from_partial(residual, li, next, streams_now, partial, n, &mut **state)
+            let mut lookahead = |partial: &[f32]| {
+                if guess_here {
+                    let guessed = self.guesser().guess_next_token(
+                        li,
+                        streams_now,
+                        partial,
+                        states_to_here,
+                    )?;
+                    return Ok(guessed.and_then(|(g, experts)| {
+                        token_guess = Some(g);
+                        experts.map(|e| (g.layer, e))
+                    }));
                 }
-                _ => Ok(None),
+                match (lookahead_next, next_state.as_deref_mut()) {
+                    (Some(next), Some(state)) => predict_from_partial(
+                        residual,
+                        li,
+                        next,
+                        streams_now,
+                        partial,
+                        n,
+                        &mut **state,
+                    ),
+                    _ => Ok(None),
+                }
             };
             let mut ctx = FfnContext {
                 source: &*self.source,
@@ -496,7 +521,7 @@ impl Model {
                     None
                 },
                 idle: &mut warm_step,
-                speculate: if lookahead_next.is_some() {
+                speculate: if lookahead_next.is_some() || guess_here {
                     Some(&mut lookahead)
                 } else {
                     None
@@ -524,6 +549,7 @@ impl Model {
                 }
             }
         }
+        session.token_guess = token_guess;
         let h = self.residual.output(&streams);
         if let Some(tr) = trace {
             tr.final_mixed = h.to_vec();
@@ -551,11 +577,4 @@ impl Model {
             data: timed(Phase::Head, || head.forward(&x, rows)),
         })
     }
-}
-
-/// Whether layers warm the next one's attention weights while waiting for experts (on unless
-/// `DELTAFIN_WARM=0`, for measuring it).
-fn warm_while_waiting() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DELTAFIN_WARM").map_or(true, |v| v != "0"))
 }

@@ -8,8 +8,10 @@
 //! output while it waits for its reads).
 
 pub mod attn_res;
+pub mod boundary;
 pub mod decoder;
 pub mod forward;
+pub mod layer_figures;
 pub mod logits;
 pub mod lookahead;
 pub mod residual;

@@ -2,6 +2,7 @@
 
 use crate::error::{InferenceError, Result};
 use crate::mixer::MixerState;
+use crate::model::boundary::TokenGuess;
 
 /// One sequence's state: per-layer mixer states and the number of positions processed.
 #[derive(Debug)]
@@ -13,6 +14,8 @@ pub struct Session {
     /// recording ([`Model::record_outputs`]): a snapshot that holds them lets a later prompt
     /// that is entirely a prefix of the snapshot start generating without a forward pass.
     pub(crate) outputs: Option<OutputStates>,
+    /// The last forward's guess of the next token ([`crate::model::boundary`]).
+    pub(crate) token_guess: Option<TokenGuess>,
 }
 
 /// Per-position outputs of the last layer, `[len - start, hidden]`.
@@ -58,6 +61,7 @@ impl Session {
         }
         self.truncate_outputs(len);
         self.len = len;
+        self.token_guess = None;
         Ok(())
     }
     fn truncate_outputs(&mut self, len: usize) {
@@ -94,6 +98,7 @@ impl Session {
     }
     /// Per-layer mixer states and the length to set once they are restored (snapshots).
     pub(crate) fn restore_parts(&mut self) -> (&mut [Box<dyn MixerState>], &mut usize) {
+        self.token_guess = None;
         (&mut self.states, &mut self.len)
     }
 }

@@ -15,6 +15,9 @@
 //! and again from that layer's partial output ([`Predictor::Lookahead`]), which is right far
 //! more often. Each predictor is scored and gated on its own: the early one's reads start
 //! before the lookahead can drop them, so its ranks must earn their reads by its own record.
+//! The next token's first routed layer may be predicted before that token is known
+//! ([`Predictor::NextToken`]), from a guess of the token; where the guess holds, the forward
+//! makes no early prediction of that layer.
 
 use std::collections::HashMap;
 
@@ -33,9 +36,12 @@ pub enum Predictor {
     Early = 0,
     /// Made from the layer before's partial output, replacing the early one.
     Lookahead = 1,
+    /// Made for the next token's first routed layer while the last layer waits for its
+    /// experts, from a guess of that token.
+    NextToken = 2,
 }
 
-const PREDICTORS: usize = 2;
+const PREDICTORS: usize = 3;
 
 /// How one layer's prediction compared with its request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -82,7 +88,7 @@ impl Default for PrefetchGate {
         PrefetchGate {
             predicted: HashMap::new(),
             precision_ema: 1.0,
-            ranks: [fresh.clone(), fresh],
+            ranks: [fresh.clone(), fresh.clone(), fresh],
         }
     }
 }
@@ -90,11 +96,13 @@ impl Default for PrefetchGate {
 impl PrefetchGate {
     /// Record `by`'s prediction for `layer` (likeliest first); returns the experts worth
     /// reading: those at ranks where `by` is still accurate enough, in the prediction's order.
-    /// An early prediction starts a layer's round afresh: a lookahead left from a forward
-    /// that never requested the layer (it failed) is dropped rather than scored later.
+    /// An early or next-token prediction starts a layer's round afresh: a lookahead left from
+    /// a forward that never requested the layer (it failed) is dropped rather than scored
+    /// later, and so is a next-token prediction whose guessed token was wrong (the early one
+    /// made then replaces it).
     pub fn predict(&mut self, layer: u32, by: Predictor, experts: &[u32]) -> Vec<u32> {
         let preds = self.predicted.entry(layer).or_default();
-        if by == Predictor::Early {
+        if by != Predictor::Lookahead {
             *preds = Default::default();
         }
         preds[by as usize] = Some(experts.to_vec());
@@ -186,6 +194,27 @@ mod tests {
         }
         assert!(steps < 30, "reopened after {steps} good predictions");
         assert_eq!(g.score(9, &[1]), None, "no prediction for layer 9");
+    }
+
+    #[test]
+    fn an_early_prediction_replaces_a_next_token_one_unscored() {
+        let mut g = PrefetchGate::default();
+        // The guessed token was wrong: the early prediction made then replaces the guess's,
+        // which is not scored (the forward scores guesses by their token).
+        for _ in 0..PREFETCH_WARMUP + 10 {
+            g.predict(1, Predictor::NextToken, &[7, 8]);
+            g.predict(1, Predictor::Early, &[1, 2]);
+            let s = g.score(1, &[1, 2]).unwrap_or_default();
+            assert_eq!((s.predicted, s.correct), (2, 2));
+        }
+        assert!(g.rank_precisions(Predictor::NextToken).is_empty());
+        // The guess held: no early prediction; the next-token one is scored on its own.
+        for _ in 0..PREFETCH_WARMUP + 10 {
+            g.predict(1, Predictor::NextToken, &[7, 8]);
+            g.score(1, &[5, 6]);
+        }
+        assert!(!g.open(Predictor::NextToken));
+        assert!(g.open(Predictor::Early) && g.open(Predictor::Lookahead));
     }
 
     #[test]

@@ -59,6 +59,9 @@ impl ExpertStore {
         let mut st = self.lock();
         let wanted = st.gate.predict(layer, Predictor::Early, experts);
         st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
+        // Prefetches of `layer` still queued are an earlier prediction's (a next-token
+        // guess that turned out wrong): the ones this prediction drops are cancelled.
+        cancel_unstarted_drops(&mut st, layer, &wanted);
         let fetched_before = layer
             .checked_sub(1)
             .is_some_and(|before| self.record_of(before, 0).is_ok());
@@ -344,24 +347,23 @@ impl<'s> ExpertBatch<'s> {
     /// the output so far). It replaces the earlier prediction: that one's prefetches the new
     /// one drops are cancelled where no drive has started them, and the new one's gated ranks
     /// are read (behind this batch's demand reads, as [`ExpertStore::prefetch`]'s are).
+    ///
+    /// A layer before this one can only be the next token's (a forward goes up the layers):
+    /// that prediction, made from a guess of the next token, is scored as
+    /// [`Predictor::NextToken`].
     pub fn repredict(&mut self, layer: u32, experts: &[u32]) {
         if layer == self.layer {
             return;
         }
-        let wanted = self.st.gate.predict(layer, Predictor::Lookahead, experts);
+        let by = if layer < self.layer {
+            Predictor::NextToken
+        } else {
+            Predictor::Lookahead
+        };
+        let wanted = self.st.gate.predict(layer, by, experts);
         self.st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
         self.st.stats.repredictions += 1;
-        let dropped: Vec<ExpertKey> = self
-            .st
-            .cache
-            .pending_keys()
-            .filter(|&((l, e), live_prefetch)| l == layer && live_prefetch && !wanted.contains(&e))
-            .map(|(k, _)| k)
-            .filter(|k| self.st.tickets.get(k).is_some_and(|t| !t.started()))
-            .collect();
-        for k in dropped {
-            self.st.cancel_read(k);
-        }
+        cancel_unstarted_drops(&mut self.st, layer, &wanted);
         crate::timeline::mark("repredict", u64::from(layer), wanted.len() as u64);
         if !self.to_read.is_empty() {
             // This batch's demand reads are not all submitted yet: held back as before.
@@ -501,5 +503,19 @@ impl Drop for ExpertBatch<'_> {
                 self.st.cache.unpin(key);
             }
         }
+    }
+}
+
+/// Cancel the live prefetches of `layer` outside `wanted` that no drive has started.
+fn cancel_unstarted_drops(st: &mut StoreState, layer: u32, wanted: &[u32]) {
+    let dropped: Vec<ExpertKey> = st
+        .cache
+        .pending_keys()
+        .filter(|&((l, e), live_prefetch)| l == layer && live_prefetch && !wanted.contains(&e))
+        .map(|(k, _)| k)
+        .filter(|k| st.tickets.get(k).is_some_and(|t| !t.started()))
+        .collect();
+    for k in dropped {
+        st.cancel_read(k);
     }
 }

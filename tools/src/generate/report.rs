@@ -201,6 +201,11 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
             "repredictions": f.repredictions,
             "expert_memory_peak_bytes": f.peak_bytes,
         });
+        let (agreement, guesses) = loaded.opened.model.token_guess_agreement();
+        v["next_token_guess"] = serde_json::json!({
+            "compared": guesses,
+            "agreement_ema": if guesses > 0 { Some(agreement) } else { None },
+        });
         v["cache_policy"] = loaded.policy.to_string().into();
         v["residency"] = serde_json::to_value(&loaded.opened.residency).unwrap_or_default();
         let stream = |s: &deltafin_inference::StreamStats, steps: usize| {
