@@ -132,7 +132,8 @@ fn margin_band(logits: &[f32], top: usize) -> usize {
 
 /// At the start of a forward of `tokens` at position `start`: compare the session's `guess`
 /// with the token that came, record the agreement, and return the layer whose early prediction
-/// the forward must skip (the guess held and its prediction was acted on).
+/// the forward must skip (the guess held, its prediction was acted on, and the forward is that
+/// one token: a longer one's other positions need the early prediction).
 pub(crate) fn settle_token_guess(
     agreement: &TokenAgreement,
     guess: Option<TokenGuess>,
@@ -145,7 +146,7 @@ pub(crate) fn settle_token_guess(
     }
     let agreed = tokens.first() == Some(&g.token);
     agreement.record(g.band, agreed);
-    (agreed && g.acted).then_some(g.layer)
+    (agreed && g.acted && tokens.len() == 1).then_some(g.layer)
 }
 
 /// What a next-token guess needs of the model (borrowed from it).
@@ -329,6 +330,30 @@ mod tests {
             steps += 1;
         }
         assert!(steps < 30, "reopened after {steps}");
+    }
+
+    #[test]
+    fn a_guess_skips_the_early_prediction_only_when_it_held_was_acted_on_and_is_one_token() {
+        let a = TokenAgreement::default();
+        let g = TokenGuess {
+            position: 10,
+            token: 42,
+            layer: 1,
+            acted: true,
+            band: 2,
+        };
+        assert_eq!(settle_token_guess(&a, Some(g), 10, &[42]), Some(1));
+        assert_eq!(settle_token_guess(&a, Some(g), 10, &[43]), None);
+        assert_eq!(a.figures().1, 2);
+        // Another position (the session was rolled back or moved on): not compared.
+        assert_eq!(settle_token_guess(&a, Some(g), 11, &[42]), None);
+        assert_eq!(a.figures().1, 2);
+        // Compared, but a longer forward's other positions need the early prediction.
+        assert_eq!(settle_token_guess(&a, Some(g), 10, &[42, 7]), None);
+        assert_eq!(a.figures().1, 3);
+        let not_acted = TokenGuess { acted: false, ..g };
+        assert_eq!(settle_token_guess(&a, Some(not_acted), 10, &[42]), None);
+        assert_eq!(settle_token_guess(&a, None, 10, &[42]), None);
     }
 
     #[test]
