@@ -145,7 +145,11 @@ pub(crate) fn settle_token_guess(
         return None;
     }
     let agreed = tokens.first() == Some(&g.token);
-    agreement.record(g.band, agreed);
+    // Only a decode step is the token the guess stands for (a longer forward may be the next
+    // turn's prompt).
+    if tokens.len() == 1 {
+        agreement.record(g.band, agreed);
+    }
     (agreed && g.acted && tokens.len() == 1).then_some(g.layer)
 }
 
@@ -203,11 +207,12 @@ impl NextTokenGuesser<'_> {
                 LayerSlot::Streamed(_) => None,
             })
             .collect();
-        if layers.len() != m + 1
-            || layers
-                .iter()
-                .any(|l| l.mixer.rollback_window().is_some_and(|w| w < 1))
-        {
+        // A recurrent state (one with a rollback window) keeps a checkpoint it can return to;
+        // a forward past the current position moves that checkpoint, and the truncate back
+        // restores the values but no longer the earlier positions (a failed forward, a
+        // drafter or a snapshot's prefix could not roll back over this token). So the guess
+        // runs only through layers whose states truncate to any earlier length (KV caches).
+        if layers.len() != m + 1 || layers.iter().any(|l| l.mixer.rollback_window().is_some()) {
             return Ok(None);
         }
         let _span = span(Phase::Lookahead);
@@ -232,7 +237,7 @@ impl NextTokenGuesser<'_> {
         if !act {
             return Ok(Some((guess, None)));
         }
-        // Every touched state goes back to where it was, whatever the forward did.
+        // Every touched state (a KV cache) goes back to its length, whatever the forward did.
         let lens: Vec<usize> = states[..=m].iter().map(|s| s.len()).collect();
         let predicted = quiet(|| self.run_prefix(token, &layers, &mut states[..=m]));
         for (s, &len) in states[..=m].iter_mut().zip(&lens) {
@@ -348,12 +353,84 @@ mod tests {
         // Another position (the session was rolled back or moved on): not compared.
         assert_eq!(settle_token_guess(&a, Some(g), 11, &[42]), None);
         assert_eq!(a.figures().1, 2);
-        // Compared, but a longer forward's other positions need the early prediction.
+        // A longer forward's other positions need the early prediction; not compared (it may
+        // be a prompt).
         assert_eq!(settle_token_guess(&a, Some(g), 10, &[42, 7]), None);
-        assert_eq!(a.figures().1, 3);
+        assert_eq!(a.figures().1, 2);
         let not_acted = TokenGuess { acted: false, ..g };
         assert_eq!(settle_token_guess(&a, Some(not_acted), 10, &[42]), None);
         assert_eq!(settle_token_guess(&a, None, 10, &[42]), None);
+    }
+
+    /// The guess runs the first layers one position past the session and rolls them back:
+    /// afterwards every state has its length and can still roll back over the token just
+    /// decoded, on every synthetic architecture (recurrent KDA states are not guessed
+    /// through: a forward past the position would move their checkpoint).
+    #[test]
+    fn a_guess_leaves_every_state_as_it_was_and_able_to_roll_back() {
+        use crate::synth::presets::{apply_overrides, preset_config, SYNTH_ARCHS};
+        use crate::synth::{write_synth, SynthFormat};
+        for arch in SYNTH_ARCHS {
+            let dir = tempfile::tempdir().unwrap();
+            let mut cfg = preset_config(arch, "tiny").unwrap();
+            apply_overrides(&mut cfg, &["num_hidden_layers=4".to_string()]).unwrap();
+            let opts = deltafin_storage::checkpoint_writer::WriteOptions {
+                seed: 3,
+                shard_bytes: 1 << 30,
+                force: false,
+            };
+            write_synth(
+                dir.path(),
+                &cfg,
+                SynthFormat::Bf16,
+                &opts,
+                &deltafin_storage::layout::NoProgress,
+            )
+            .unwrap();
+            let source = crate::DirSource::open(dir.path()).unwrap();
+            let model = crate::Model::load(std::sync::Arc::new(source)).unwrap();
+            let mut session = model.new_session();
+            model.forward_last(&mut session, &[5, 9, 2, 7]).unwrap();
+            model.forward_last(&mut session, &[11]).unwrap();
+            let len = session.len();
+            assert!(session.can_truncate(len - 1), "{arch}");
+            let g = model.guesser();
+            let hd = g.embed_tokens.cols();
+            let streams = g
+                .residual
+                .init((0..hd).map(|i| (i % 7) as f32 * 0.1).collect());
+            let partial = vec![0.05f32; hd];
+            let last = model.layers().len() - 1;
+            let recurrent = g.layers.iter().any(|l| match l {
+                LayerSlot::Resident(l) => l.mixer.rollback_window().is_some(),
+                LayerSlot::Streamed(_) => false,
+            });
+            let made = g
+                .guess_next_token(last, &streams, &partial, &mut session.states)
+                .unwrap();
+            // Kimi's first layers are KDA: no guess; the others guess, and act (warm-up).
+            let first_routed = g.first_routed_layer().unwrap();
+            let through_recurrent = g.layers[..=first_routed].iter().any(|l| match l {
+                LayerSlot::Resident(l) => l.mixer.rollback_window().is_some(),
+                LayerSlot::Streamed(_) => false,
+            });
+            match &made {
+                Some((guess, experts)) => {
+                    assert!(!through_recurrent, "{arch}");
+                    assert_eq!((guess.position, guess.layer), (len, first_routed), "{arch}");
+                    assert!(experts.as_ref().is_some_and(|e| !e.is_empty()), "{arch}");
+                }
+                None => assert!(through_recurrent && recurrent, "{arch}: no guess"),
+            }
+            assert!(
+                session.states.iter().all(|s| s.len() == len),
+                "{arch}: a state's length moved"
+            );
+            assert!(
+                session.can_truncate(len - 1),
+                "{arch}: cannot roll back over the token just decoded"
+            );
+        }
     }
 
     #[test]

@@ -141,7 +141,7 @@ impl Model {
         self.token_agreement.figures()
     }
 
-    fn guesser(&self) -> NextTokenGuesser<'_> {
+    pub(crate) fn guesser(&self) -> NextTokenGuesser<'_> {
         NextTokenGuesser {
             layers: &self.layers,
             embed_tokens: &self.embed_tokens,
@@ -478,6 +478,7 @@ impl Model {
             // The last layer guesses the next token instead (`boundary`): decode only.
             let guess_here = li + 1 == self.layers.len()
                 && n == 1
+                && mode != LogitsMode::None
                 && self.source.wants_prefetch()
                 && self.next_layer_prefetch()
                 && lookahead_enabled()

@@ -60,7 +60,8 @@ impl ExpertStore {
         let wanted = st.gate.predict(layer, Predictor::Early, experts);
         st.stats.prefetch_gated += (experts.len() - wanted.len()) as u64;
         // Prefetches of `layer` still queued are an earlier prediction's (a next-token
-        // guess that turned out wrong): the ones this prediction drops are cancelled.
+        // guess, wrong, or right but for a forward of several positions): the ones this
+        // prediction drops are cancelled.
         cancel_unstarted_drops(&mut st, layer, &wanted);
         let fetched_before = layer
             .checked_sub(1)
