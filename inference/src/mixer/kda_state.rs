@@ -168,6 +168,28 @@ impl MixerState for KdaState {
         Ok(())
     }
 
+    /// The state at `len` as the copy's checkpoint (one `[H, D, D]` copy and the tail): a
+    /// forward on the copy writes only the copy's buffers.
+    fn scratch_copy(&self) -> Option<Box<dyn MixerState>> {
+        let at_len = if self.len == self.checkpoint_len {
+            &self.checkpoint
+        } else {
+            &self.current
+        };
+        Some(Box::new(KdaState {
+            heads: self.heads,
+            dim: self.dim,
+            kernel: self.kernel,
+            len: self.len,
+            checkpoint_len: self.len,
+            checkpoint: at_len.clone(),
+            current: Vec::new(),
+            tail: self.tail.clone(),
+            checkpoint_tail: self.tail.clone(),
+            recorded: Some(Vec::new()),
+        }))
+    }
+
     fn memory_bytes(&self) -> usize {
         (self.checkpoint.capacity()
             + self.current.capacity()

@@ -26,6 +26,15 @@ pub trait MixerState: Send + std::fmt::Debug + Any {
     /// Bytes held.
     fn memory_bytes(&self) -> usize;
 
+    /// A separate copy of this state at its current length, for a throwaway forward (the
+    /// next-token guess) that must leave this state exactly as it is: a recurrent state,
+    /// whose rollback checkpoint any forward past the current position would move. `None`
+    /// (the default): the state is a cache of positions, which a truncate returns to any
+    /// earlier length, so the throwaway forward runs on it in place.
+    fn scratch_copy(&self) -> Option<Box<dyn MixerState>> {
+        None
+    }
+
     fn as_any(&self) -> &dyn Any;
 
     fn as_any_mut(&mut self) -> &mut dyn Any;

@@ -9,8 +9,9 @@
 //! While the last layer waits for its last experts the compute threads are idle, as in
 //! [`crate::model::lookahead`]. They guess the next token: the head's top token on the last
 //! layer's output so far (the cached and landed experts and the shared experts). Then they run
-//! the first layers on that token, with each touched state rolled back afterwards, and route
-//! the first routed layer. Where the guess holds, that routing is exactly the one the next
+//! the first layers on that token, with each touched cache of positions rolled back afterwards
+//! and each recurrent state (KDA) replaced by a copy for the run, and route the first routed
+//! layer. Where the guess holds, that routing is exactly the one the next
 //! forward computes, so its reads start a whole head and prefix earlier. The next forward then
 //! makes no early prediction of that layer. Where the guess is wrong, the next forward's early
 //! prediction replaces it and cancels its reads not yet started.
@@ -184,7 +185,7 @@ impl NextTokenGuesser<'_> {
     /// Guess the token after the current forward's last position from the last layer's
     /// partial feed-forward output `partial` `[1, hidden]` (`streams`: the streams before it,
     /// `li`: the last layer), run the layers up to the first routed one (`states`: their
-    /// states, each rolled back afterwards) on it, and route that layer. Returns the guess and,
+    /// states, each left as it was) on it, and route that layer. Returns the guess and,
     /// when guesses are accurate enough to act on, the predicted experts (likeliest first).
     pub(crate) fn guess_next_token(
         &self,
@@ -207,12 +208,7 @@ impl NextTokenGuesser<'_> {
                 LayerSlot::Streamed(_) => None,
             })
             .collect();
-        // A recurrent state (one with a rollback window) keeps a checkpoint it can return to;
-        // a forward past the current position moves that checkpoint, and the truncate back
-        // restores the values but no longer the earlier positions (a failed forward, a
-        // drafter or a snapshot's prefix could not roll back over this token). So the guess
-        // runs only through layers whose states truncate to any earlier length (KV caches).
-        if layers.len() != m + 1 || layers.iter().any(|l| l.mixer.rollback_window().is_some()) {
+        if layers.len() != m + 1 {
             return Ok(None);
         }
         let _span = span(Phase::Lookahead);
@@ -237,9 +233,31 @@ impl NextTokenGuesser<'_> {
         if !act {
             return Ok(Some((guess, None)));
         }
-        // Every touched state (a KV cache) goes back to its length, whatever the forward did.
+        // A recurrent state (a layer with a rollback window) keeps a checkpoint it can
+        // return to; a forward past the current position would move it, and a truncate back
+        // would restore the values but no longer the earlier positions (a failed forward, a
+        // drafter or a snapshot's prefix could not roll back over this token). Such layers
+        // run the guess on a copy of their state ([`MixerState::scratch_copy`]); without one,
+        // no guess.
+        let mut copies: Vec<(usize, Box<dyn MixerState>)> = Vec::new();
+        for (k, l) in layers.iter().enumerate() {
+            if l.mixer.rollback_window().is_some() {
+                match states[k].scratch_copy() {
+                    Some(c) => copies.push((k, c)),
+                    None => return Ok(None),
+                }
+            }
+        }
+        // The copies stand in for their states during the forward; every other touched state
+        // (a KV cache) goes back to its length, whatever the forward did.
         let lens: Vec<usize> = states[..=m].iter().map(|s| s.len()).collect();
+        for (k, c) in copies.iter_mut() {
+            std::mem::swap(&mut states[*k], c);
+        }
         let predicted = quiet(|| self.run_prefix(token, &layers, &mut states[..=m]));
+        for (k, c) in copies.iter_mut() {
+            std::mem::swap(&mut states[*k], c);
+        }
         for (s, &len) in states[..=m].iter_mut().zip(&lens) {
             if s.len() != len {
                 s.truncate(len)?;
@@ -363,9 +381,9 @@ mod tests {
     }
 
     /// The guess runs the first layers one position past the session and rolls them back:
-    /// afterwards every state has its length and can still roll back over the token just
-    /// decoded, on every synthetic architecture (recurrent KDA states are not guessed
-    /// through: a forward past the position would move their checkpoint).
+    /// afterwards every state has its length and its values and can still roll back over the
+    /// token just decoded, on every synthetic architecture (recurrent KDA states through
+    /// copies: a forward on the state itself would move its checkpoint).
     #[test]
     fn a_guess_leaves_every_state_as_it_was_and_able_to_roll_back() {
         use crate::synth::presets::{apply_overrides, preset_config, SYNTH_ARCHS};
@@ -401,27 +419,31 @@ mod tests {
                 .init((0..hd).map(|i| (i % 7) as f32 * 0.1).collect());
             let partial = vec![0.05f32; hd];
             let last = model.layers().len() - 1;
-            let recurrent = g.layers.iter().any(|l| match l {
-                LayerSlot::Resident(l) => l.mixer.rollback_window().is_some(),
-                LayerSlot::Streamed(_) => false,
-            });
+            // Every state's saved form before the guess: a recurrent state must come back
+            // bit for bit (the guess runs on a copy of it).
+            let fixed_before: Vec<Vec<Vec<f32>>> = session
+                .states
+                .iter()
+                .map(|s| s.export_fixed().iter().map(|a| a.to_vec()).collect())
+                .collect();
             let made = g
                 .guess_next_token(last, &streams, &partial, &mut session.states)
                 .unwrap();
-            // Kimi's first layers are KDA: no guess; the others guess, and act (warm-up).
+            // Every architecture guesses (Kimi's first layers through copies of their KDA
+            // states) and acts on it (the gate's warm-up).
             let first_routed = g.first_routed_layer().unwrap();
-            let through_recurrent = g.layers[..=first_routed].iter().any(|l| match l {
-                LayerSlot::Resident(l) => l.mixer.rollback_window().is_some(),
-                LayerSlot::Streamed(_) => false,
-            });
-            match &made {
-                Some((guess, experts)) => {
-                    assert!(!through_recurrent, "{arch}");
-                    assert_eq!((guess.position, guess.layer), (len, first_routed), "{arch}");
-                    assert!(experts.as_ref().is_some_and(|e| !e.is_empty()), "{arch}");
-                }
-                None => assert!(through_recurrent && recurrent, "{arch}: no guess"),
-            }
+            let (guess, experts) = made.unwrap_or_else(|| panic!("{arch}: no guess"));
+            assert_eq!((guess.position, guess.layer), (len, first_routed), "{arch}");
+            assert!(experts.is_some_and(|e| !e.is_empty()), "{arch}");
+            let fixed_after: Vec<Vec<Vec<f32>>> = session
+                .states
+                .iter()
+                .map(|s| s.export_fixed().iter().map(|a| a.to_vec()).collect())
+                .collect();
+            assert!(
+                fixed_before == fixed_after,
+                "{arch}: a recurrent state changed"
+            );
             assert!(
                 session.states.iter().all(|s| s.len() == len),
                 "{arch}: a state's length moved"
