@@ -9,12 +9,15 @@
 # benches/vs_llamacpp_cap.sh counts them (compute time is far below I/O time here); then the
 # medians per variant.
 #   sudo BENCH_ROOT=/dev/shm/deltafin-bench benches/cap_ab.sh [--format int4] [--rounds 6]
-#        [--decode 48] [--rate 1073741824] [--trace DIR] -- 'VARIANT' ['VARIANT' ...]
+#        [--decode 48] [--rate 1073741824] [--trace DIR] [--model DIR] -- 'VARIANT' ['VARIANT' ...]
+#        [--pct 40]
+# (--model: another checkpoint than benches/vs_llamacpp.sh's ds-FORMAT, e.g. a Kimi K3 synth;
+# --pct: the memory cap, percent of the checkpoint's bytes)
 # e.g. benches/cap_ab.sh -- 'UNIT=512K' 'UNIT=128K' 'ARGS=--no-prefetch' 'TPD=2' 'BIN=/tmp/old'
 
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(dirname "$here")
-FORMAT=int4; ROUNDS=6; DECODE=48; RATE=1073741824; TRACE_DIR=""; PCT=40
+FORMAT=int4; ROUNDS=6; DECODE=48; RATE=1073741824; TRACE_DIR=""; PCT=40; MODEL=""
 while [ $# -gt 0 ]; do
     case $1 in
         --format) FORMAT=$2; shift 2 ;;
@@ -22,6 +25,8 @@ while [ $# -gt 0 ]; do
         --decode) DECODE=$2; shift 2 ;;
         --rate) RATE=$2; shift 2 ;;
         --trace) TRACE_DIR=$2; shift 2 ;;
+        --model) MODEL=$2; shift 2 ;;
+        --pct) PCT=$2; shift 2 ;;
         --) shift; break ;;
         *) echo "unknown argument $1" >&2; exit 2 ;;
     esac
@@ -31,7 +36,7 @@ done
 variants=("$@")
 bin=${DELTAFIN_BIN:-$repo/target/release/deltafin}
 [ -x "$bin" ] || cargo build --release -p deltafin --manifest-path "$repo/Cargo.toml" >&2
-model=${BENCH_WORK:-/var/tmp/deltafin-bench-model}/vs-llamacpp/ds-$FORMAT
+model=${MODEL:-${BENCH_WORK:-/var/tmp/deltafin-bench-model}/vs-llamacpp/ds-$FORMAT}
 [ -f "$model/config.json" ] || { echo "no $model: run benches/vs_llamacpp.sh first" >&2; exit 1; }
 source "$here/emulated_drives.sh"
 cg=/sys/fs/cgroup/memory/deltafin-cap-ab
@@ -80,7 +85,7 @@ print(json.dumps({'variant': $i, 'round': $r, 'decode_ms': s * 1e3, 'io_ms': io 
                   'hit_rate': x.get('decode_expert_cache_hit_rate'),
                   'prefetch_precision': x.get('decode_prefetch_precision'), 'prefetch_recall': x.get('decode_prefetch_recall'),
                   'repredictions': x.get('fetch', {}).get('repredictions'), 'rank_precision': x.get('prefetch_rank_precision'), 'rank_precision_early': x.get('prefetch_rank_precision_early'), 'peak_rss_mib': round(x.get('peak_rss_bytes', 0) / 2**20, 1),
-                  'tokens': x.get('tokens'), 'fetch': x.get('fetch')}))" | tee -a "$raw"
+                  'tokens': x.get('tokens'), 'fetch': x.get('fetch'), 'next_token_guess': x.get('next_token_guess')}))" | tee -a "$raw"
     done
 done
 python3 - "$raw" "${variants[@]}" <<'PY'

@@ -50,8 +50,26 @@ const MARGIN_BANDS: [f32; 4] = [0.05, 0.1, 0.2, 0.4];
 /// Whether the last layer guesses the next token's first routed experts (on unless
 /// `DELTAFIN_NEXT_TOKEN_PREFETCH=0`, for measuring it).
 pub fn next_token_prefetch_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DELTAFIN_NEXT_TOKEN_PREFETCH").map_or(true, |v| v != "0"))
+    next_token_prefetch_setting() != Some(false)
+}
+
+/// Whether guesses also run through recurrent (KDA) layers, on copies of their states: only
+/// when asked for (`DELTAFIN_NEXT_TOKEN_PREFETCH=1`). On a Kimi K3-shaped synthetic at a
+/// memory cap it made decode 2-4% slower: the guesses agreed 41-65% of the time, the copies
+/// and the KDA layers' work lengthen the wait's compute, and the wrong guesses' reads cost
+/// drive time (`benches/results/next_token_guess_kda_session37.txt`).
+pub fn next_token_guess_through_recurrent() -> bool {
+    next_token_prefetch_setting() == Some(true)
+}
+
+/// `DELTAFIN_NEXT_TOKEN_PREFETCH`: unset `None`, `0` off, anything else on.
+fn next_token_prefetch_setting() -> Option<bool> {
+    static SET: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| {
+        std::env::var("DELTAFIN_NEXT_TOKEN_PREFETCH")
+            .ok()
+            .map(|v| v != "0")
+    })
 }
 
 /// A guess of the token a session's next forward starts with.
@@ -165,6 +183,9 @@ pub(crate) struct NextTokenGuesser<'a> {
     pub residual: &'a dyn ResidualMixer,
     pub source: &'a dyn WeightSource,
     pub agreement: &'a TokenAgreement,
+    /// Guess through recurrent layers too ([`next_token_guess_through_recurrent`]); otherwise
+    /// a model whose layers up to the first routed one include one makes no guess.
+    pub through_recurrent: bool,
 }
 
 impl NextTokenGuesser<'_> {
@@ -208,7 +229,8 @@ impl NextTokenGuesser<'_> {
                 LayerSlot::Streamed(_) => None,
             })
             .collect();
-        if layers.len() != m + 1 {
+        let recurrent = layers.iter().any(|l| l.mixer.rollback_window().is_some());
+        if layers.len() != m + 1 || (recurrent && !self.through_recurrent) {
             return Ok(None);
         }
         let _span = span(Phase::Lookahead);
@@ -412,46 +434,54 @@ mod tests {
             model.forward_last(&mut session, &[11]).unwrap();
             let len = session.len();
             assert!(session.can_truncate(len - 1), "{arch}");
-            let g = model.guesser();
+            let mut g = model.guesser();
             let hd = g.embed_tokens.cols();
             let streams = g
                 .residual
                 .init((0..hd).map(|i| (i % 7) as f32 * 0.1).collect());
             let partial = vec![0.05f32; hd];
             let last = model.layers().len() - 1;
-            // Every state's saved form before the guess: a recurrent state must come back
-            // bit for bit (the guess runs on a copy of it).
-            let fixed_before: Vec<Vec<Vec<f32>>> = session
-                .states
-                .iter()
-                .map(|s| s.export_fixed().iter().map(|a| a.to_vec()).collect())
-                .collect();
-            let made = g
-                .guess_next_token(last, &streams, &partial, &mut session.states)
-                .unwrap();
-            // Every architecture guesses (Kimi's first layers through copies of their KDA
-            // states) and acts on it (the gate's warm-up).
             let first_routed = g.first_routed_layer().unwrap();
-            let (guess, experts) = made.unwrap_or_else(|| panic!("{arch}: no guess"));
-            assert_eq!((guess.position, guess.layer), (len, first_routed), "{arch}");
-            assert!(experts.is_some_and(|e| !e.is_empty()), "{arch}");
-            let fixed_after: Vec<Vec<Vec<f32>>> = session
-                .states
-                .iter()
-                .map(|s| s.export_fixed().iter().map(|a| a.to_vec()).collect())
-                .collect();
-            assert!(
-                fixed_before == fixed_after,
-                "{arch}: a recurrent state changed"
-            );
-            assert!(
-                session.states.iter().all(|s| s.len() == len),
-                "{arch}: a state's length moved"
-            );
-            assert!(
-                session.can_truncate(len - 1),
-                "{arch}: cannot roll back over the token just decoded"
-            );
+            let recurrent = g.layers[..=first_routed].iter().any(|l| match l {
+                LayerSlot::Resident(l) => l.mixer.rollback_window().is_some(),
+                LayerSlot::Streamed(_) => false,
+            });
+            // Every state's saved form: a recurrent state must come back bit for bit.
+            let fixed = |states: &[Box<dyn MixerState>]| -> Vec<Vec<Vec<f32>>> {
+                states
+                    .iter()
+                    .map(|s| s.export_fixed().iter().map(|a| a.to_vec()).collect())
+                    .collect()
+            };
+            let fixed_before = fixed(&session.states);
+            // By default (Kimi's first layers are KDA) no guess through recurrent layers; when
+            // asked for, through copies of their states. Every other architecture guesses and
+            // acts on it (the gate's warm-up) either way.
+            for through in [false, true] {
+                g.through_recurrent = through;
+                let made = g
+                    .guess_next_token(last, &streams, &partial, &mut session.states)
+                    .unwrap();
+                if recurrent && !through {
+                    assert!(made.is_none(), "{arch}: a guess through recurrent layers");
+                } else {
+                    let (guess, experts) = made.unwrap_or_else(|| panic!("{arch}: no guess"));
+                    assert_eq!((guess.position, guess.layer), (len, first_routed), "{arch}");
+                    assert!(experts.is_some_and(|e| !e.is_empty()), "{arch}");
+                }
+                assert!(
+                    fixed_before == fixed(&session.states),
+                    "{arch}: a recurrent state changed"
+                );
+                assert!(
+                    session.states.iter().all(|s| s.len() == len),
+                    "{arch}: a state's length moved"
+                );
+                assert!(
+                    session.can_truncate(len - 1),
+                    "{arch}: cannot roll back over the token just decoded"
+                );
+            }
         }
     }
 

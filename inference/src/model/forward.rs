@@ -11,7 +11,8 @@ use crate::ffn::feed_forward::FfnContext;
 use crate::kernels::isa::KernelConfig;
 use crate::linear::owned::Linear;
 use crate::model::boundary::{
-    next_token_prefetch_enabled, settle_token_guess, NextTokenGuesser, TokenAgreement,
+    next_token_guess_through_recurrent, next_token_prefetch_enabled, settle_token_guess,
+    NextTokenGuesser, TokenAgreement,
 };
 use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
 use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
@@ -150,6 +151,7 @@ impl Model {
             residual: &*self.residual,
             source: &*self.source,
             agreement: &self.token_agreement,
+            through_recurrent: next_token_guess_through_recurrent(),
         }
     }
 
