@@ -32,6 +32,7 @@ use crate::ffn::feed_forward::FfnContext;
 use crate::linear::owned::Linear;
 use crate::mixer::MixerState;
 use crate::model::decoder::{DecoderLayer, LayerSlot};
+use crate::model::guess_cost::GuessCost;
 use crate::model::residual::ResidualMixer;
 use crate::ops::RmsNorm;
 use crate::spans::{quiet, span, Phase};
@@ -183,6 +184,7 @@ pub(crate) struct NextTokenGuesser<'a> {
     pub residual: &'a dyn ResidualMixer,
     pub source: &'a dyn WeightSource,
     pub agreement: &'a TokenAgreement,
+    pub cost: &'a GuessCost,
     /// Guess through recurrent layers too ([`next_token_guess_through_recurrent`]); otherwise
     /// a model whose layers up to the first routed one include one makes no guess.
     pub through_recurrent: bool,
@@ -201,6 +203,17 @@ impl NextTokenGuesser<'_> {
             .iter()
             .all(|l| matches!(l, LayerSlot::Resident(_)));
         (all_built && m + 1 < self.layers.len()).then_some(m)
+    }
+
+    /// Decoder layers that route experts (streamed layers count: they hold experts).
+    pub(crate) fn routed_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| match l {
+                LayerSlot::Resident(l) => l.ffn.router_gate().is_some(),
+                LayerSlot::Streamed(_) => true,
+            })
+            .count()
     }
 
     /// Guess the token after the current forward's last position from the last layer's
@@ -233,7 +246,11 @@ impl NextTokenGuesser<'_> {
         if layers.len() != m + 1 || (recurrent && !self.through_recurrent) {
             return Ok(None);
         }
+        if !self.cost.worth_it() {
+            return Ok(None);
+        }
         let _span = span(Phase::Lookahead);
+        let began = std::time::Instant::now();
         // The head's top token on the output so far.
         let mut out = streams.to_vec();
         self.residual.block_output(li, 1, &mut out, partial);
@@ -285,6 +302,7 @@ impl NextTokenGuesser<'_> {
                 s.truncate(len)?;
             }
         }
+        self.cost.record_guess(began.elapsed());
         Ok(predicted?.map(|e| (guess, Some(e))))
     }
 

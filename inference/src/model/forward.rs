@@ -15,6 +15,7 @@ use crate::model::boundary::{
     NextTokenGuesser, TokenAgreement,
 };
 use crate::model::decoder::{DecoderLayer, LayerSlot, ModelParts};
+use crate::model::guess_cost::{CostFigures, GuessCost};
 use crate::model::logits::{ForwardTrace, Logits, LogitsMode};
 use crate::model::lookahead::{lookahead_enabled, predict_from_partial, LOOKAHEAD_MAX_POSITIONS};
 use crate::model::residual::ResidualMixer;
@@ -52,6 +53,7 @@ pub struct Model {
     routing: std::sync::Mutex<Option<RoutingCounts>>,
     /// How often next-token guesses held ([`crate::model::boundary`]).
     token_agreement: TokenAgreement,
+    guess_cost: GuessCost,
 }
 
 /// A streamed layer built over its weights for one forward. The layer is declared first so it
@@ -133,6 +135,7 @@ impl Model {
             weights_digest,
             routing: std::sync::Mutex::new(None),
             token_agreement: TokenAgreement::default(),
+            guess_cost: GuessCost::default(),
         }
     }
 
@@ -140,6 +143,12 @@ impl Model {
     /// many were compared ([`crate::model::boundary`]).
     pub fn token_guess_agreement(&self) -> (f64, u64) {
         self.token_agreement.figures()
+    }
+
+    /// What next-token guesses cost against a routed layer's time in decode, and how many
+    /// decode steps made none for that ([`crate::model::boundary::GuessCost`]).
+    pub fn token_guess_cost(&self) -> CostFigures {
+        self.guess_cost.figures()
     }
 
     pub(crate) fn guesser(&self) -> NextTokenGuesser<'_> {
@@ -151,6 +160,7 @@ impl Model {
             residual: &*self.residual,
             source: &*self.source,
             agreement: &self.token_agreement,
+            cost: &self.guess_cost,
             through_recurrent: next_token_guess_through_recurrent(),
         }
     }
@@ -313,10 +323,15 @@ impl Model {
             ));
         }
         let start = session.len;
+        let began = std::time::Instant::now();
         let result = self.forward_inner(session, tokens, mode, trace);
         match result {
             Ok(l) => {
                 session.len = start + tokens.len();
+                if tokens.len() == 1 && self.source.wants_prefetch() {
+                    self.guess_cost
+                        .record_token(began.elapsed(), self.guesser().routed_layers());
+                }
                 Ok(l)
             }
             Err(e) => {

@@ -5,12 +5,15 @@
 //! model is built from), [`residual`] (how sub-block outputs are joined), [`session`]
 //! (per-sequence state), [`logits`] (what a forward returns), [`routing_counts`] (expert choices
 //! counted for `plan`), [`lookahead`] (the next layer's experts predicted from a layer's partial
-//! output while it waits for its reads).
+//! output while it waits for its reads), [`boundary`] (the next token's first routed experts
+//! guessed during the last layer's wait) and [`guess_cost`] (whether that guess is worth its
+//! compute).
 
 pub mod attn_res;
 pub mod boundary;
 pub mod decoder;
 pub mod forward;
+pub mod guess_cost;
 pub mod layer_figures;
 pub mod logits;
 pub mod lookahead;

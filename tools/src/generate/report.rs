@@ -202,9 +202,13 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
             "expert_memory_peak_bytes": f.peak_bytes,
         });
         let (agreement, guesses) = loaded.opened.model.token_guess_agreement();
+        let cost = loaded.opened.model.token_guess_cost();
         v["next_token_guess"] = serde_json::json!({
             "compared": guesses,
             "agreement_ema": if guesses > 0 { Some(agreement) } else { None },
+            "guess_ms_ema": (cost.guesses > 0).then_some(cost.guess_s * 1e3),
+            "routed_layer_ms_ema": (cost.tokens > 0).then_some(cost.layer_s * 1e3),
+            "skipped_for_cost": cost.skipped,
         });
         v["cache_policy"] = loaded.policy.to_string().into();
         v["residency"] = serde_json::to_value(&loaded.opened.residency).unwrap_or_default();
