@@ -434,10 +434,10 @@ mod tests {
         assert_eq!(sleeping_settles_at(&p, 2), 2, "parked after the last pass");
         p.park_between_passes(false);
         assert_eq!(tasks_run(&p, 4), 4);
-        // Passes wake them, and without the flag they stay awake between passes. Passes keep
-        // coming while this waits: a woken worker parks again after `IDLE_BEFORE_PARK` without
-        // one, and under qemu (CI's aarch64 run) one worker could re-park before the other had
-        // woken, so that the count never read 0 after a single pass.
+        // Passes wake parked workers. Passes keep coming while this waits: a woken worker parks
+        // again after `IDLE_BEFORE_PARK` without one, and under qemu (CI's aarch64 run) one
+        // worker could re-park before the other had woken, so that the count never read 0
+        // after a single pass. (That they stay awake between close passes is not checked.)
         let t = Instant::now();
         while p.shared.sleeping.load(Ordering::SeqCst) != 0 && t.elapsed() < Duration::from_secs(5)
         {

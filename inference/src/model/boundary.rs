@@ -9,9 +9,10 @@
 //! While the last layer waits for its last experts the compute threads are idle, as in
 //! [`crate::model::lookahead`]. They guess the next token: the head's top token on the last
 //! layer's output so far (the cached and landed experts and the shared experts). Then they run
-//! the first layers on that token, with each touched cache of positions rolled back afterwards
-//! and each recurrent state (KDA) replaced by a copy for the run, and route the first routed
-//! layer. Where the guess holds, that routing is exactly the one the next
+//! the first layers on that token, with each touched cache of positions rolled back afterwards,
+//! and route the first routed layer. A model with recurrent (KDA) layers among those makes no
+//! guess unless asked to ([`next_token_guess_through_recurrent`]); then each recurrent state is
+//! replaced by a copy for the run. Where the guess holds, that routing is exactly the one the next
 //! forward computes, so its reads start a whole head and prefix earlier. The next forward then
 //! makes no early prediction of that layer. Where the guess is wrong, the next forward's early
 //! prediction replaces it and cancels its reads not yet started.
@@ -55,7 +56,7 @@ pub fn next_token_prefetch_enabled() -> bool {
 }
 
 /// Whether guesses also run through recurrent (KDA) layers, on copies of their states: only
-/// when asked for (`DELTAFIN_NEXT_TOKEN_PREFETCH=1`). On a Kimi K3-shaped synthetic at a
+/// when asked for (`DELTAFIN_NEXT_TOKEN_PREFETCH` set to anything but `0`, e.g. `1`). On a Kimi K3-shaped synthetic at a
 /// memory cap it made decode 2-4% slower: the guesses agreed 41-65% of the time, the copies
 /// and the KDA layers' work lengthen the wait's compute, and the wrong guesses' reads cost
 /// drive time (`benches/results/next_token_guess_kda_session37.txt`).
@@ -421,9 +422,10 @@ mod tests {
     }
 
     /// The guess runs the first layers one position past the session and rolls them back:
-    /// afterwards every state has its length and its values and can still roll back over the
-    /// token just decoded, on every synthetic architecture (recurrent KDA states through
-    /// copies: a forward on the state itself would move its checkpoint).
+    /// afterwards every state has its length (a recurrent one also its values) and can still
+    /// roll back over the token just decoded, on every synthetic architecture (recurrent KDA
+    /// states, when asked for, through copies: a forward on the state itself would move its
+    /// checkpoint).
     #[test]
     fn a_guess_leaves_every_state_as_it_was_and_able_to_roll_back() {
         use crate::synth::presets::{apply_overrides, preset_config, SYNTH_ARCHS};

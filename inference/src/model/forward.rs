@@ -146,7 +146,7 @@ impl Model {
     }
 
     /// What next-token guesses cost against a routed layer's time in decode, and how many
-    /// decode steps made none for that ([`crate::model::boundary::GuessCost`]).
+    /// decode steps made none for that ([`crate::model::guess_cost::GuessCost`]).
     pub fn token_guess_cost(&self) -> CostFigures {
         self.guess_cost.figures()
     }
@@ -328,7 +328,12 @@ impl Model {
         match result {
             Ok(l) => {
                 session.len = start + tokens.len();
-                if tokens.len() == 1 && self.source.wants_prefetch() {
+                // A decode step that could have guessed: the yardstick of the guess's cost.
+                if tokens.len() == 1
+                    && mode != LogitsMode::None
+                    && self.source.wants_prefetch()
+                    && next_token_prefetch_enabled()
+                {
                     self.guess_cost
                         .record_token(began.elapsed(), self.guesser().routed_layers());
                 }

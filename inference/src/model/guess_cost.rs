@@ -42,8 +42,15 @@ impl GuessCost {
     /// A guess took `d` (head, first layers, router).
     pub(crate) fn record_guess(&self, d: std::time::Duration) {
         let mut c = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let n = c.guesses;
-        Self::ema(&mut c.guess_s, n, d.as_secs_f64());
+        let x = d.as_secs_f64();
+        if c.guesses > 0 && c.guesses < COST_WARMUP {
+            // While measuring, the fastest: a first guess's page faults and allocations would
+            // otherwise keep the average high for many probes.
+            c.guess_s = c.guess_s.min(x);
+        } else {
+            let n = c.guesses;
+            Self::ema(&mut c.guess_s, n, x);
+        }
         c.guesses += 1;
     }
 
