@@ -139,16 +139,10 @@ impl Model {
         }
     }
 
-    /// How often next-token guesses matched the token that followed (moving average) and how
-    /// many were compared ([`crate::model::boundary`]).
-    pub fn token_guess_agreement(&self) -> (f64, u64) {
-        self.token_agreement.figures()
-    }
-
-    /// What next-token guesses cost against a routed layer's time in decode, and how many
-    /// decode steps made none for that ([`crate::model::guess_cost::GuessCost`]).
-    pub fn token_guess_cost(&self) -> CostFigures {
-        self.guess_cost.figures()
+    /// Next-token guesses ([`crate::model::boundary`]): how often they matched the token that
+    /// followed (moving average) and how many were compared; their cost against a layer's time.
+    pub fn token_guess_figures(&self) -> ((f64, u64), CostFigures) {
+        (self.token_agreement.figures(), self.guess_cost.figures())
     }
 
     pub(crate) fn guesser(&self) -> NextTokenGuesser<'_> {

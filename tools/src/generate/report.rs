@@ -201,8 +201,7 @@ pub(crate) fn to_json(m: &Measured, loaded: &Loaded, prompt: &[u32]) -> serde_js
             "repredictions": f.repredictions,
             "expert_memory_peak_bytes": f.peak_bytes,
         });
-        let (agreement, guesses) = loaded.opened.model.token_guess_agreement();
-        let cost = loaded.opened.model.token_guess_cost();
+        let ((agreement, guesses), cost) = loaded.opened.model.token_guess_figures();
         v["next_token_guess"] = serde_json::json!({
             "compared": guesses,
             "agreement_ema": if guesses > 0 { Some(agreement) } else { None },
