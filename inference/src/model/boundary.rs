@@ -56,10 +56,11 @@ pub fn next_token_prefetch_enabled() -> bool {
 }
 
 /// Whether guesses also run through recurrent (KDA) layers, on copies of their states: only
-/// when asked for (`DELTAFIN_NEXT_TOKEN_PREFETCH` set to anything but `0`, e.g. `1`). On a Kimi K3-shaped synthetic at a
-/// memory cap it made decode 2-4% slower: the guesses agreed 41-65% of the time, the copies
-/// and the KDA layers' work lengthen the wait's compute, and the wrong guesses' reads cost
-/// drive time (`benches/results/next_token_guess_kda_session37.txt`).
+/// when asked for (`DELTAFIN_NEXT_TOKEN_PREFETCH` set to anything but `0`, e.g. `1`). On a
+/// Kimi K3-shaped synthetic at a memory cap it made decode 2-4% slower: the guesses agreed
+/// 41-65% of the time, the copies and the KDA layers' work lengthen the wait's compute, and
+/// the wrong guesses' reads cost drive time
+/// (`benches/results/next_token_guess_kda_session37.txt`).
 pub fn next_token_guess_through_recurrent() -> bool {
     next_token_prefetch_setting() == Some(true)
 }
@@ -196,25 +197,16 @@ impl NextTokenGuesser<'_> {
     /// (not streamed): the layer a next-token guess predicts. `None` also when the last layer
     /// is that layer (nothing to wait in before it).
     pub(crate) fn first_routed_layer(&self) -> Option<usize> {
-        let m = self.layers.iter().position(|l| match l {
-            LayerSlot::Resident(l) => l.ffn.router_gate().is_some(),
-            LayerSlot::Streamed(_) => true,
-        })?;
+        let m = self.layers.iter().position(routes_experts)?;
         let all_built = self.layers[..=m]
             .iter()
             .all(|l| matches!(l, LayerSlot::Resident(_)));
         (all_built && m + 1 < self.layers.len()).then_some(m)
     }
 
-    /// Decoder layers that route experts (streamed layers count: they hold experts).
+    /// Decoder layers that route experts ([`routes_experts`]).
     pub(crate) fn routed_layers(&self) -> usize {
-        self.layers
-            .iter()
-            .filter(|l| match l {
-                LayerSlot::Resident(l) => l.ffn.router_gate().is_some(),
-                LayerSlot::Streamed(_) => true,
-            })
-            .count()
+        self.layers.iter().filter(|l| routes_experts(l)).count()
     }
 
     /// Guess the token after the current forward's last position from the last layer's
@@ -359,6 +351,15 @@ impl NextTokenGuesser<'_> {
         let y = layer.mixer.forward(&x, 1, state)?;
         self.residual.block_output(k, 0, streams, &y);
         Ok(())
+    }
+}
+
+/// Whether a layer routes experts. A streamed layer counts as one: it is not built here to
+/// ask, and a guess cannot run through it anyway.
+fn routes_experts(l: &LayerSlot) -> bool {
+    match l {
+        LayerSlot::Resident(l) => l.ffn.router_gate().is_some(),
+        LayerSlot::Streamed(_) => true,
     }
 }
 
