@@ -92,6 +92,7 @@ pub mod quantize;
 pub mod rope;
 pub mod run;
 pub mod sampler;
+pub mod scratch;
 pub mod snapshot;
 pub mod spans;
 pub mod speculative;

@@ -459,7 +459,9 @@ fn inference_uses_only_the_expert_store_api() {
                 let before = code[..i].chars().last();
                 let after = code[i + word.len()..].chars().next();
                 let ident = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
-                !ident(before) && !ident(after)
+                // `type Target = ...` is `Deref`'s associated type, not the storage one.
+                let deref_target = *word == "Target" && code[..i].ends_with("type ");
+                !ident(before) && !ident(after) && !deref_target
             });
             if hit {
                 found.push(format!("{}: {word}", f.display()));

@@ -15,6 +15,7 @@ pub use crate::ffn::routed_experts::{ExpertMatrixNames, GroupOutputs, RoutedExpe
 use crate::ffn::router::{Router, Routing};
 use crate::linear::owned::Linear;
 use crate::ops::{Activation, RmsNorm};
+use crate::scratch::Scratch;
 use crate::spans::{span, timed, Phase};
 use crate::weights::{ExpertHints, ExpertView};
 
@@ -70,7 +71,7 @@ impl MoeFfn {
 /// expert has no output (yet, or no expert filled it because the position chose fewer than
 /// `top_k`) adds nothing.
 fn weighted_sum(
-    outputs: &[Option<Vec<f32>>],
+    outputs: &[Option<Scratch<f32>>],
     source: &[(usize, usize)],
     routes: &[Routing],
     n: usize,
@@ -160,7 +161,8 @@ impl FeedForward for MoeFfn {
         // until every expert has been computed and then summed per position in slot order,
         // so the result does not depend on the order or grouping in which experts arrive.
         // (RefCells: the idle work reads what the group callback has filled in so far.)
-        let outputs: RefCell<Vec<Option<Vec<f32>>>> = RefCell::new(vec![None; wanted.len()]);
+        let outputs: RefCell<Vec<Option<Scratch<f32>>>> =
+            RefCell::new((0..wanted.len()).map(|_| None).collect());
         // Where each (position, slot) output lives: (index into `outputs`, row).
         let mut source = vec![(usize::MAX, 0usize); n * top_k];
         for (k, &e) in wanted.iter().enumerate() {
@@ -173,7 +175,7 @@ impl FeedForward for MoeFfn {
         let fuse_shared = self.shared_experts.as_ref().filter(|m| {
             !m.gate_proj.has_bias() && !m.up_proj.has_bias() && !m.down_proj.has_bias()
         });
-        let shared_out: RefCell<Option<Vec<f32>>> = RefCell::new(None);
+        let shared_out: RefCell<Option<Scratch<f32>>> = RefCell::new(None);
         // While the drives read this layer's last experts, the forward may run the next
         // layer's mixer on the output so far to predict that layer's experts better than it
         // could before this layer's experts were computed: once, after the first group.
@@ -206,7 +208,7 @@ impl FeedForward for MoeFfn {
             layer,
             &wanted,
             &mut |group: &[(usize, ExpertView<'_>)]| {
-                let mut gathered: Vec<Vec<f32>> = Vec::with_capacity(group.len());
+                let mut gathered: Vec<Scratch<f32>> = Vec::with_capacity(group.len());
                 let mut whole: Vec<bool> = Vec::with_capacity(group.len());
                 let mut index: Vec<usize> = Vec::with_capacity(group.len());
                 for &(e, _) in group {
@@ -230,12 +232,10 @@ impl FeedForward for MoeFfn {
                     let in_order =
                         assign.len() == n && assign.iter().enumerate().all(|(i, a)| a.0 == i);
                     whole.push(in_order);
-                    let mut xs = Vec::new();
-                    if !in_order {
-                        xs.reserve(assign.len() * hd);
-                        for &(t, _) in assign {
-                            xs.extend_from_slice(&x[t * hd..(t + 1) * hd]);
-                        }
+                    let mut xs =
+                        Scratch::for_overwrite(if in_order { 0 } else { assign.len() * hd });
+                    for (row, &(t, _)) in xs.chunks_mut(hd).zip(assign) {
+                        row.copy_from_slice(&x[t * hd..(t + 1) * hd]);
                     }
                     gathered.push(xs);
                 }
@@ -247,7 +247,7 @@ impl FeedForward for MoeFfn {
                         if w {
                             (x, m)
                         } else {
-                            (xs.as_slice(), m)
+                            (&xs[..], m)
                         }
                     })
                     .collect();
@@ -288,7 +288,7 @@ impl FeedForward for MoeFfn {
             None => self
                 .shared_experts
                 .as_ref()
-                .map(|shared| timed(Phase::Shared, || shared.apply(full, n))),
+                .map(|shared| Scratch::from_vec(timed(Phase::Shared, || shared.apply(full, n)))),
         };
         let out = self.finish(out, n, shared.as_deref());
         if let Some(trace) = ctx.routing.as_deref_mut() {

@@ -17,6 +17,7 @@ use crate::kernels::jobs::{matmul_jobs, MatmulJob};
 use crate::linear::matrix::WeightMatrix;
 use crate::linear::resolve::{resolve_matrix, MatrixParts, QuantHints};
 use crate::ops::Activation;
+use crate::scratch::Scratch;
 use crate::spans::{span, timed, Phase};
 use crate::weights::ExpertView;
 
@@ -70,7 +71,7 @@ struct Template {
 }
 
 /// Each expert's output of a group, and the shared expert's when it rode along.
-pub type GroupOutputs = (Vec<Vec<f32>>, Option<Vec<f32>>);
+pub type GroupOutputs = (Vec<Scratch<f32>>, Option<Scratch<f32>>);
 
 /// The routed experts of one MoE layer (shapes, names, how their matrices are stored).
 #[derive(Debug)]
@@ -272,7 +273,8 @@ impl RoutedExperts {
         act: &dyn Activation,
         inputs: &[(&[f32], usize)],
     ) -> Result<Vec<Vec<f32>>> {
-        Ok(self.forward_group_with(group, layer, act, inputs, None)?.0)
+        let (ys, _) = self.forward_group_with(group, layer, act, inputs, None)?;
+        Ok(ys.into_iter().map(Scratch::into_vec).collect())
     }
 
     /// [`RoutedExperts::forward_group`], with the layer's shared expert (on its own inputs
@@ -295,10 +297,10 @@ impl RoutedExperts {
                 mlp.down_proj.view(),
             )
         });
-        let mut shared_gu: Option<(Vec<f32>, Vec<f32>)> = shared.map(|(mlp, _, n)| {
+        let mut shared_gu: Option<(Scratch<f32>, Scratch<f32>)> = shared.map(|(mlp, _, n)| {
             (
-                vec![0f32; n * mlp.gate_proj.rows()],
-                vec![0f32; n * mlp.up_proj.rows()],
+                Scratch::for_overwrite(n * mlp.gate_proj.rows()),
+                Scratch::for_overwrite(n * mlp.up_proj.rows()),
             )
         });
         let mut gate_up: Vec<Vec<WeightMatrix<'_>>> = Vec::with_capacity(group.len());
@@ -314,10 +316,14 @@ impl RoutedExperts {
             downs.push(self.matrix(view, &t.down, layer, *e)?);
         }
         // Gate and up (or the fused gate_up, gate rows first) of every expert.
-        let mut gu_out: Vec<Vec<Vec<f32>>> = gate_up
+        let mut gu_out: Vec<Vec<Scratch<f32>>> = gate_up
             .iter()
             .zip(inputs)
-            .map(|(ms, &(_, m))| ms.iter().map(|w| vec![0f32; m * w.rows()]).collect())
+            .map(|(ms, &(_, m))| {
+                ms.iter()
+                    .map(|w| Scratch::for_overwrite(m * w.rows()))
+                    .collect()
+            })
             .collect();
         {
             let mut jobs = Vec::new();
@@ -345,19 +351,19 @@ impl RoutedExperts {
             timed(Phase::ExpertsGateUp, || matmul_jobs(&mut jobs));
         }
         let act_span = span(Phase::ExpertsAct);
-        let shared_h: Option<Vec<f32>> = match (shared, &shared_gu) {
+        let shared_h: Option<Scratch<f32>> = match (shared, &shared_gu) {
             (Some((mlp, _, _)), Some((g, u))) => {
-                let mut h = vec![0f32; g.len()];
+                let mut h = Scratch::for_overwrite(g.len());
                 mlp.act.gated_into(g, u, &mut h);
                 Some(h)
             }
             _ => None,
         };
-        let mut shared_out: Option<Vec<f32>> =
-            shared.map(|(mlp, _, n)| vec![0f32; n * mlp.down_proj.rows()]);
+        let mut shared_out: Option<Scratch<f32>> =
+            shared.map(|(mlp, _, n)| Scratch::for_overwrite(n * mlp.down_proj.rows()));
         let gated = |i: usize| {
             let (outs, m) = (&gu_out[i], inputs[i].1);
-            let mut h = vec![0f32; m * it];
+            let mut h = Scratch::for_overwrite(m * it);
             match &outs[..] {
                 [y] => {
                     for (hrow, yrow) in h.chunks_mut(it).zip(y.chunks(2 * it)) {
@@ -373,13 +379,16 @@ impl RoutedExperts {
         // A prefill's ~100 experts per layer on the pool's threads; a decode token's few
         // inline (one pass costs more than their activations).
         let values: usize = inputs.iter().map(|&(_, m)| m * it).sum();
-        let hs: Vec<Vec<f32>> = if values >= PARALLEL_ACT_VALUES {
+        let hs: Vec<Scratch<f32>> = if values >= PARALLEL_ACT_VALUES {
             crate::kernels::pool::pool().map(gu_out.len(), gated)
         } else {
             (0..gu_out.len()).map(gated).collect()
         };
         drop(act_span);
-        let mut ys: Vec<Vec<f32>> = inputs.iter().map(|&(_, m)| vec![0f32; m * hd]).collect();
+        let mut ys: Vec<Scratch<f32>> = inputs
+            .iter()
+            .map(|&(_, m)| Scratch::for_overwrite(m * hd))
+            .collect();
         {
             let mut jobs: Vec<MatmulJob<'_, '_>> = downs
                 .iter()

@@ -6,6 +6,7 @@
 use deltafin_formats::WeightFormat;
 
 use crate::kernels::shape::BLOCK;
+use crate::scratch::Scratch;
 
 /// Inputs prepared once per call.
 #[derive(Debug)]
@@ -42,14 +43,14 @@ pub struct I16Inputs {
     /// Which element order `hi` / `lo` are in.
     pub order: I16Order,
     /// `[n, cols]` high bytes (`round(x / (amax / 127))`).
-    pub hi: Vec<i8>,
+    pub hi: Scratch<i8>,
     /// `[n, cols]` low bytes: the remainder in 1/256 steps.
-    pub lo: Vec<i8>,
+    pub lo: Scratch<i8>,
     /// `[n, cols/32]` scales (of `256 * hi + lo`; halved for MXFP4's doubled codes).
-    pub d: Vec<f32>,
+    pub d: Scratch<f32>,
     /// `[n, cols/32]` each block's input sum, `d * sum(256 * hi + lo)` (the kernels' offset
     /// correction).
-    pub dsums: Vec<f32>,
+    pub dsums: Scratch<f32>,
     /// `lo` is all zeros: the inputs are 8-bit ([`super::Act::I8`]'s values, `hi` alone), and
     /// the AVX-512 tiles skip the low plane (half the integer products). Every other kernel
     /// reads the zeros and gives the same values.

@@ -13,6 +13,7 @@ use crate::kernels::isa::Isa;
 use crate::kernels::prepare::{prepare_owned, Prepared};
 use crate::kernels::tasks::{task_rows, untranspose};
 use crate::linear::matrix::WeightMatrix;
+use crate::scratch::Scratch;
 
 /// `out = x @ m^T`: `x` is `[n, m.cols()]`, `out` is `[n, m.rows()]`.
 #[derive(Debug)]
@@ -112,22 +113,16 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
     let metas: Vec<(&WeightMatrix<'_>, usize)> = jobs.iter().map(|j| (j.m, j.n)).collect();
     // Outputs of jobs with several inputs go through a transposed scratch `[rows, n]`, so
     // that each task writes one contiguous range (as `matmul` does).
-    let mut tmps: Vec<Vec<f32>> = metas
+    let mut tmps: Vec<Scratch<f32>> = metas
         .iter()
-        .map(|&(m, n)| {
-            if n > 1 {
-                vec![0f32; m.rows() * n]
-            } else {
-                Vec::new()
-            }
-        })
+        .map(|&(m, n)| Scratch::for_overwrite(if n > 1 { m.rows() * n } else { 0 }))
         .collect();
     {
         let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
         for (i, (j, tmp)) in jobs.iter_mut().zip(tmps.iter_mut()).enumerate() {
             let block = task_rows(j.m.format(), j.m.cols(), j.n, plan[i].1);
             let (buf, chunk): (&mut [f32], usize) = if j.n > 1 {
-                (tmp.as_mut_slice(), block * j.n)
+                (&mut tmp[..], block * j.n)
             } else {
                 (&mut *j.out, block)
             };
@@ -141,13 +136,13 @@ pub fn matmul_jobs(jobs: &mut [MatmulJob<'_, '_>]) {
             rows_task(plan[i].0, m, kind, &unique[input_of[i]], n, block, bi, o);
         });
     }
-    let mut back: Vec<(&Vec<f32>, &mut MatmulJob<'_, '_>)> = tmps
+    let mut back: Vec<(&Scratch<f32>, &mut MatmulJob<'_, '_>)> = tmps
         .iter()
         .zip(jobs.iter_mut())
         .filter(|(_, j)| j.n > 1)
         .collect();
     let values: usize = back.iter().map(|(t, _)| t.len()).sum();
-    let untranspose_job = |(tmp, j): &mut (&Vec<f32>, &mut MatmulJob<'_, '_>)| {
+    let untranspose_job = |(tmp, j): &mut (&Scratch<f32>, &mut MatmulJob<'_, '_>)| {
         untranspose(tmp, j.n, j.m.rows(), j.out)
     };
     if back.len() > 1 && values >= PARALLEL_VALUES {

@@ -11,6 +11,7 @@ use crate::kernels::isa::Isa;
 use crate::kernels::shape::BLOCK;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{x86, x86_avx512};
+use crate::scratch::Scratch;
 
 /// The [`I16Order`] the 16-bit kernels of `isa` take for `kind`: the 4-bit formats transposed
 /// by groups on AVX-512 ([`I16Order::Groups`]) and AVX2 ([`I16Order::Groups8`]), else
@@ -45,10 +46,10 @@ pub fn quantize_inputs_i16(isa: Isa, kind: WeightFormat, x: &[f32], cols: usize)
     let order = i16_order(kind, isa);
     let mut out = I16Inputs {
         order,
-        hi: vec![0; x.len()],
-        lo: vec![0; x.len()],
-        d: vec![0.0; blocks],
-        dsums: vec![0.0; blocks],
+        hi: Scratch::for_overwrite(x.len()),
+        lo: Scratch::for_overwrite(x.len()),
+        d: Scratch::for_overwrite(blocks),
+        dsums: Scratch::for_overwrite(blocks),
         hi_only: false,
         wide: Vec::new(),
     };
