@@ -107,12 +107,16 @@ for f in "${formats[@]}"; do
     # activations (BF16: exact f32; INT4/Q8: 16 bits per 32 values) and the precision llama.cpp
     # itself uses, opt-in in deltafin (BF16: DELTAFIN_ACTIVATIONS=bf16, rounded to BF16 for
     # vdpbf16ps; INT4/Q8: DELTAFIN_ACTIVATIONS=i8, 8 bits per 32 values): the like-for-like pair.
+    # The experts-only models keep BF16 attention, dense and head matrices, whose inputs
+    # llama.cpp rounds to BF16 too: their like-for-like cell is `i8,bf16` (until session 38 it
+    # was `i8`, which left those matrices on exact f32 inputs).
     if [ "$f" = bf16 ]; then
         pairs=("$work/ds-bf16|$g16|default" "$work/ds-bf16|$g16|bf16")
     else
         pairs=()
         for a in default i8; do
-            pairs+=("$work/ds-$f|$work/ds-$f-experts.gguf|$a" "$work/ds-$f-dense-q8head|$work/ds-$f.gguf|$a")
+            ea=$a; [ "$a" = i8 ] && ea=i8,bf16
+            pairs+=("$work/ds-$f|$work/ds-$f-experts.gguf|$ea" "$work/ds-$f-dense-q8head|$work/ds-$f.gguf|$a")
         done
     fi
     for pair in "${pairs[@]}"; do

@@ -207,8 +207,9 @@ impl KernelConfig {
 
     /// The default: the best kernels, capped by `DELTAFIN_KERNELS=scalar|avx2|avxvnni`, with
     /// `DELTAFIN_ACTIVATIONS=f32` forcing f32 activations, `DELTAFIN_ACTIVATIONS=bf16` asking
-    /// for [`Act::Bf16`] and `DELTAFIN_ACTIVATIONS=i8` for [`Act::I8`], and `DELTAFIN_AMX=on`
-    /// for [`Act::Bf16x2`] (read once per process).
+    /// for [`Act::Bf16`] and `DELTAFIN_ACTIVATIONS=i8` for [`Act::I8`] (a comma list takes
+    /// both: `i8,bf16` is llama.cpp's own precision on a model with BF16 and quantized
+    /// matrices), and `DELTAFIN_AMX=on` for [`Act::Bf16x2`] (read once per process).
     pub fn from_env() -> KernelConfig {
         static FROM_ENV: OnceLock<KernelConfig> = OnceLock::new();
         *FROM_ENV.get_or_init(|| {
@@ -218,11 +219,12 @@ impl KernelConfig {
                 None => Isa::best(),
             };
             let acts = std::env::var("DELTAFIN_ACTIVATIONS").unwrap_or_default();
+            let asks = |name: &str| acts.split(',').any(|a| a.trim().eq_ignore_ascii_case(name));
             KernelConfig {
                 isa,
-                f32_activations: acts.eq_ignore_ascii_case("f32"),
-                bf16_activations: acts.eq_ignore_ascii_case("bf16"),
-                i8_activations: acts.eq_ignore_ascii_case("i8"),
+                f32_activations: asks("f32"),
+                bf16_activations: asks("bf16"),
+                i8_activations: asks("i8"),
                 amx: {
                     let v = std::env::var("DELTAFIN_AMX").unwrap_or_default();
                     v.eq_ignore_ascii_case("on") || v == "1"
