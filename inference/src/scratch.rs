@@ -10,9 +10,10 @@
 //! goes back on drop; its values are whatever the last user left, because every user here
 //! writes each value before reading it.
 //!
-//! That promise is checked: with debug assertions (the test profile) a buffer taken from the
-//! shelf is filled with a poison value first (NaN for `f32`), so a value read before it is
-//! written turns the fixtures' logits to NaN instead of passing silently.
+//! That promise is checked: with debug assertions (the test profile) every buffer handed out,
+//! reused or new, is filled with a poison value first (NaN for `f32`, -128 for the 8-bit
+//! planes, a value their quantizer never makes), so a value read before it is written turns
+//! the fixtures' logits to NaN (or far off) instead of passing silently.
 
 use std::collections::BTreeMap;
 use std::ops::{Deref, DerefMut};
@@ -39,9 +40,10 @@ impl<T> Shelf<T> {
         }
     }
 
-    /// The shortest buffer of at least `len` values, if one is kept.
+    /// The shortest buffer of `len` to `2 * len` values, if one is kept (a longer one stays
+    /// for the longer requests it suits: a decode step would take a prefill's buffers).
     fn take(&mut self, len: usize) -> Option<Vec<T>> {
-        let (&key, list) = self.by_len.range_mut(len..).next()?;
+        let (&key, list) = self.by_len.range_mut(len..=len.saturating_mul(2)).next()?;
         let v = list.pop()?;
         if list.is_empty() {
             self.by_len.remove(&key);
@@ -113,6 +115,9 @@ impl<T: Recyclable> Scratch<T> {
                 }
                 v
             }
+            // New buffers are poisoned too under debug assertions: a first use that read
+            // before writing would otherwise see zeros and pass.
+            None if cfg!(debug_assertions) => vec![T::POISON; len],
             None => vec![T::default(); len],
         };
         Scratch { buf, len }
@@ -198,7 +203,9 @@ mod tests {
         assert_eq!(s.take(9).map(|v| v.len()), Some(16));
         assert_eq!(s.take(8).map(|v| v.len()), Some(8));
         assert_eq!(s.take(33), None);
-        assert_eq!(s.take(1).map(|v| v.len()), Some(32));
+        // At most twice the request: 32 values are kept for a longer one.
+        assert_eq!(s.take(15), None);
+        assert_eq!(s.take(16).map(|v| v.len()), Some(32));
         assert_eq!((s.bytes, s.by_len.len()), (0, 0));
     }
 
@@ -208,8 +215,9 @@ mod tests {
         s.put(vec![0; SHELF_BYTES]);
         s.put(vec![0; 1]);
         assert_eq!(s.bytes, SHELF_BYTES);
-        assert_eq!(s.take(1).map(|v| v.len()), Some(SHELF_BYTES));
         assert_eq!(s.take(1), None);
+        assert_eq!(s.take(SHELF_BYTES).map(|v| v.len()), Some(SHELF_BYTES));
+        assert_eq!(s.take(SHELF_BYTES), None);
     }
 
     #[test]
@@ -224,10 +232,10 @@ mod tests {
         }
         let b = Scratch::<f32>::for_overwrite(len - 1);
         assert_eq!(b.len(), len - 1);
-        // Never the 7s left behind: poisoned when reused under debug assertions (the test
-        // profile), or a fresh buffer if a test running alongside took that one.
+        // Never the 7s left behind: under debug assertions (the test profile) reused and new
+        // buffers alike are poisoned (a test running alongside may have taken that one).
         if cfg!(debug_assertions) {
-            assert!(b.iter().all(|v| v.is_nan()) || b.iter().all(|&v| v == 0.0));
+            assert!(b.iter().all(|v| v.is_nan()));
         }
         let v = b.into_vec();
         assert_eq!(v.len(), len - 1);

@@ -234,7 +234,7 @@ impl FeedForward for MoeFfn {
                     whole.push(in_order);
                     let mut xs =
                         Scratch::for_overwrite(if in_order { 0 } else { assign.len() * hd });
-                    for (row, &(t, _)) in xs.chunks_mut(hd).zip(assign) {
+                    for (row, &(t, _)) in xs.chunks_mut(hd.max(1)).zip(assign) {
                         row.copy_from_slice(&x[t * hd..(t + 1) * hd]);
                     }
                     gathered.push(xs);

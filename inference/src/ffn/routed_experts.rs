@@ -372,7 +372,9 @@ impl RoutedExperts {
                     }
                 }
                 [g, u] => act.gated_into(g, u, &mut h),
-                _ => {}
+                // Templates have one or two gate/up matrices; zeros as before should that
+                // change (`h` holds stale values otherwise).
+                _ => h.fill(0.0),
             }
             h
         };
