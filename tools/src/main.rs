@@ -119,6 +119,12 @@ fn main() {
 }
 
 fn run(command: &Command) -> anyhow::Result<()> {
+    // A misspelt kernel setting would otherwise be ignored, and an A/B would compare a run
+    // with itself.
+    let setting_errors = deltafin_inference::kernels::isa::KernelConfig::env_errors();
+    if !setting_errors.is_empty() {
+        anyhow::bail!("{}", setting_errors.join("; "));
+    }
     match command {
         Command::Synth(a) => synth_cmd::run(a),
         Command::Layout(a) => layout_cmd::run(a),

@@ -233,6 +233,37 @@ impl KernelConfig {
         })
     }
 
+    /// What is wrong with the kernel settings in the environment (`DELTAFIN_KERNELS`,
+    /// `DELTAFIN_ACTIVATIONS`): each word neither knows, so that a front end can refuse to run
+    /// with a setting [`KernelConfig::from_env`] would silently ignore (a typo in an A/B).
+    pub fn env_errors() -> Vec<String> {
+        let var = |k: &str| std::env::var(k).unwrap_or_default();
+        Self::setting_errors(&var("DELTAFIN_KERNELS"), &var("DELTAFIN_ACTIVATIONS"))
+    }
+
+    /// [`KernelConfig::env_errors`] of the two values given.
+    fn setting_errors(kernels: &str, activations: &str) -> Vec<String> {
+        let mut errors = Vec::new();
+        if !kernels.is_empty() && Isa::parse(kernels).is_none() {
+            errors.push(format!(
+                "DELTAFIN_KERNELS={kernels:?}: not one of scalar, avx2, avxvnni, avx512bw, \
+                 avx512, neon"
+            ));
+        }
+        for word in activations.split(',').map(str::trim) {
+            let known = ["f32", "bf16", "i8"]
+                .iter()
+                .any(|k| word.eq_ignore_ascii_case(k));
+            if !word.is_empty() && !known {
+                errors.push(format!(
+                    "DELTAFIN_ACTIVATIONS={activations:?}: {word:?} is not one of f32, bf16, i8 \
+                     (a comma list)"
+                ));
+            }
+        }
+        errors
+    }
+
     /// The instruction set's name, with `+AMX` where BF16 weights run on the AMX tiles
     /// ([`Act::Bf16x2`]): what benchmark records say the kernels were.
     pub fn label(&self) -> String {
@@ -289,6 +320,17 @@ impl KernelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settings_with_unknown_words_are_named() {
+        assert!(KernelConfig::setting_errors("", "").is_empty());
+        assert!(KernelConfig::setting_errors("avx2", "i8,BF16").is_empty());
+        assert!(KernelConfig::setting_errors("scalar", " f32 ").is_empty());
+        let e = KernelConfig::setting_errors("avx-512", "i8,bf61");
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(e[0].contains("DELTAFIN_KERNELS=\"avx-512\""), "{e:?}");
+        assert!(e[1].contains("\"bf61\""), "{e:?}");
+    }
 
     #[test]
     fn caps_never_exceed_what_runs() {
