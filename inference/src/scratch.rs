@@ -123,13 +123,6 @@ impl<T: Recyclable> Scratch<T> {
         Scratch { buf, len }
     }
 
-    /// `len` zeros (for users that accumulate).
-    pub fn zeroed(len: usize) -> Self {
-        let mut s = Self::for_overwrite(len);
-        s.fill(T::default());
-        s
-    }
-
     /// Adopts `v` (its values as they are); it goes on the shelf when dropped.
     pub fn from_vec(v: Vec<T>) -> Self {
         Scratch {
@@ -225,9 +218,8 @@ mod tests {
         // Private to this test: a length no other test asks for.
         let len = 1_000_003;
         {
-            let mut a = Scratch::<f32>::zeroed(len);
+            let mut a = Scratch::<f32>::for_overwrite(len);
             assert_eq!(a.len(), len);
-            assert!(a.iter().all(|&v| v == 0.0));
             a.fill(7.0);
         }
         let b = Scratch::<f32>::for_overwrite(len - 1);

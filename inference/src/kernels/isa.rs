@@ -98,17 +98,22 @@ impl Isa {
         KernelConfig::from_env().isa
     }
 
-    /// Parse `scalar`, `avx2`, `avxvnni`, `avx512bw`, `avx512` or `neon`.
+    /// The names [`Isa::parse`] takes (`DELTAFIN_KERNELS`).
+    pub const NAMES: [(&'static str, Isa); 6] = [
+        ("scalar", Isa::Scalar),
+        ("avx2", Isa::Avx2),
+        ("avxvnni", Isa::AvxVnni),
+        ("avx512bw", Isa::Avx512Bw),
+        ("avx512", Isa::Avx512),
+        ("neon", Isa::Neon),
+    ];
+
+    /// Parse one of [`Isa::NAMES`].
     pub fn parse(s: &str) -> Option<Isa> {
-        Some(match s {
-            "scalar" => Isa::Scalar,
-            "avx2" => Isa::Avx2,
-            "avxvnni" => Isa::AvxVnni,
-            "avx512bw" => Isa::Avx512Bw,
-            "avx512" => Isa::Avx512,
-            "neon" => Isa::Neon,
-            _ => return None,
-        })
+        Isa::NAMES
+            .iter()
+            .find(|(n, _)| *n == s)
+            .map(|&(_, isa)| isa)
     }
 
     /// Whether the AVX2 kernels run on this ISA (AVX-512 machines run them too).
@@ -175,6 +180,14 @@ pub struct KernelConfig {
     pub amx: bool,
 }
 
+/// The words `DELTAFIN_ACTIVATIONS` takes, in a comma list.
+const ACTIVATION_WORDS: [&str; 3] = ["f32", "bf16", "i8"];
+
+/// The non-empty words of a `DELTAFIN_ACTIVATIONS` value.
+fn activation_words(value: &str) -> impl Iterator<Item = &str> {
+    value.split(',').map(str::trim).filter(|w| !w.is_empty())
+}
+
 impl Default for KernelConfig {
     /// [`KernelConfig::from_env`].
     fn default() -> Self {
@@ -219,7 +232,7 @@ impl KernelConfig {
                 None => Isa::best(),
             };
             let acts = std::env::var("DELTAFIN_ACTIVATIONS").unwrap_or_default();
-            let asks = |name: &str| acts.split(',').any(|a| a.trim().eq_ignore_ascii_case(name));
+            let asks = |name: &str| activation_words(&acts).any(|a| a.eq_ignore_ascii_case(name));
             KernelConfig {
                 isa,
                 f32_activations: asks("f32"),
@@ -245,19 +258,21 @@ impl KernelConfig {
     fn setting_errors(kernels: &str, activations: &str) -> Vec<String> {
         let mut errors = Vec::new();
         if !kernels.is_empty() && Isa::parse(kernels).is_none() {
+            let names: Vec<&str> = Isa::NAMES.iter().map(|&(n, _)| n).collect();
             errors.push(format!(
-                "DELTAFIN_KERNELS={kernels:?}: not one of scalar, avx2, avxvnni, avx512bw, \
-                 avx512, neon"
+                "DELTAFIN_KERNELS={kernels:?}: not one of {}",
+                names.join(", ")
             ));
         }
-        for word in activations.split(',').map(str::trim) {
-            let known = ["f32", "bf16", "i8"]
+        for word in activation_words(activations) {
+            if !ACTIVATION_WORDS
                 .iter()
-                .any(|k| word.eq_ignore_ascii_case(k));
-            if !word.is_empty() && !known {
+                .any(|k| word.eq_ignore_ascii_case(k))
+            {
                 errors.push(format!(
-                    "DELTAFIN_ACTIVATIONS={activations:?}: {word:?} is not one of f32, bf16, i8 \
-                     (a comma list)"
+                    "DELTAFIN_ACTIVATIONS={activations:?}: {word:?} is not one of {} (a comma \
+                     list)",
+                    ACTIVATION_WORDS.join(", ")
                 ));
             }
         }
